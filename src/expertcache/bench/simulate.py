@@ -1,0 +1,114 @@
+"""Replay a routing trace through the runtime's own residency bookkeeping and count, without tensors.
+
+A trace is a list of ops, each `(layer, experts)` with `experts` the sorted distinct ids the op
+uses. `simulate` runs it through `tiers.residency.Residency` and a policy, exactly as the cache
+would; `simulate_belady` does the same with Belady's MIN; `brute_force_min_misses` searches every
+eviction choice (tiny traces only) and is the reference the other two are tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from itertools import combinations
+
+from expertcache.tiers.policy import Belady, ExpertKey, Policy, make_policy
+from expertcache.tiers.residency import Residency
+
+Op = tuple[int, Sequence[int]]  # (layer, sorted distinct expert ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    policy: str
+    capacity: int
+    ops: int
+    hits: int
+    misses: int
+    compulsory_misses: int  # first uses: no cache avoids them
+    evictions: int
+    bytes_moved: int  # misses x expert size
+    copy_ranges: int  # transfers after merging runs of consecutive experts into consecutive slots
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self) | {"hit_rate": self.hit_rate}
+
+
+def trace_keys(ops: Sequence[Op]) -> list[list[ExpertKey]]:
+    """The keys of each op, as `Belady` wants them."""
+    return [[ExpertKey(layer, e) for e in experts] for layer, experts in ops]
+
+
+def simulate(ops: Sequence[Op], capacity: int, policy: str | Policy, expert_bytes: int) -> SimResult:
+    """Replay `ops` through a `Residency` of `capacity` slots with `policy` (a name or a fresh policy)."""
+    if isinstance(policy, str):
+        policy = make_policy(policy, capacity)
+    residency = Residency(capacity, policy)
+    hits = misses = evictions = ranges = 0
+    seen: set[ExpertKey] = set()
+    for layer, experts in ops:
+        plan = residency.plan(layer, experts)
+        hits += len(plan.hits)
+        misses += len(plan.misses)
+        evictions += len(plan.evicted)
+        ranges += plan.copy_ranges
+        seen.update(ExpertKey(layer, e) for e in experts)
+    return SimResult(
+        policy=policy.name,
+        capacity=capacity,
+        ops=len(ops),
+        hits=hits,
+        misses=misses,
+        compulsory_misses=len(seen),
+        evictions=evictions,
+        bytes_moved=misses * expert_bytes,
+        copy_ranges=ranges,
+    )
+
+
+def simulate_belady(ops: Sequence[Op], capacity: int, expert_bytes: int) -> SimResult:
+    """`simulate` with Belady's MIN, which knows the whole trace."""
+    return simulate(ops, capacity, Belady(capacity, trace_keys(ops)), expert_bytes)
+
+
+def brute_force_min_misses(ops: Sequence[Op], capacity: int) -> int:
+    """Fewest misses over every possible sequence of eviction choices, under `Residency`'s op semantics.
+
+    Same rules as the runtime: hits/misses at op start, wave 1 = hits + the first misses that fit,
+    further waves of `capacity` misses, only the current wave pinned, free slots used before any
+    eviction. Dynamic programming over (op index, resident set): for tiny traces only.
+    """
+    keys = {k for op in trace_keys(ops) for k in op}
+    if len(keys) > 16 or len(ops) > 200:
+        raise ValueError(f"brute force is for tiny traces: got {len(keys)} keys, {len(ops)} ops (max 16, 200)")
+    if capacity < 1:
+        raise ValueError(f"cache capacity must be >= 1 slot, got {capacity}")
+    trace = trace_keys(ops)
+
+    @lru_cache(maxsize=None)
+    def best(t: int, resident: frozenset[ExpertKey]) -> int:
+        if t == len(trace):
+            return 0
+        hits = [k for k in trace[t] if k in resident]
+        misses = [k for k in trace[t] if k not in resident]
+        room = capacity - len(hits)
+        waves = [(hits + misses[:room], misses[:room])]
+        waves += [(misses[i : i + capacity],) * 2 for i in range(room, len(misses), capacity)]
+        states = {resident}
+        for wave, fills in waves:
+            pinned = set(wave)
+            after = set()
+            for s in states:
+                need = max(0, len(fills) - (capacity - len(s)))
+                for victims in combinations(sorted(s - pinned), need):
+                    after.add(s.difference(victims).union(fills))
+            states = after
+        return len(misses) + min(best(t + 1, s) for s in states)
+
+    return best(0, frozenset())

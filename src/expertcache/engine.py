@@ -1,0 +1,240 @@
+"""The engine: load a checkpoint, run forwards, prefill in micro-batches, decode, sample.
+
+The engine works on token ids; text goes through `Tokenizer`. A `Session` holds the token ids
+and KV state of one conversation so that a later call can reuse its longest common prefix.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import CacheConfig, ModelConfig, parse_dtype
+from .errors import ExpertCacheError
+from .models.base import MoEModel
+from .models.layers import KVCache
+from .sampling import Sampler, SamplingParams
+from .tokenizer import StreamDecoder, Tokenizer
+
+
+@dataclass
+class Session:
+    """Token ids whose keys and values `kv` holds: one conversation's state."""
+
+    kv: KVCache
+    tokens: list[int] = field(default_factory=list)
+
+    def copy(self) -> Session:
+        return Session(self.kv.copy(), list(self.tokens))
+
+    def truncate(self, n: int) -> None:
+        self.kv.truncate(n)
+        del self.tokens[n:]
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str  # stop | length | abort (the on_text callback asked to stop)
+    prompt_seconds: float
+    gen_seconds: float
+
+    @property
+    def prompt_tps(self) -> float:
+        processed = self.prompt_tokens - self.cached_tokens
+        return processed / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def gen_tps(self) -> float:
+        return len(self.token_ids) / self.gen_seconds if self.gen_seconds > 0 else 0.0
+
+    def timings(self) -> dict:
+        return {"prompt_n": self.prompt_tokens - self.cached_tokens, "cache_n": self.cached_tokens,
+                "predicted_n": len(self.token_ids), "prompt_ms": self.prompt_seconds * 1e3,
+                "predicted_ms": self.gen_seconds * 1e3, "prompt_per_second": self.prompt_tps,
+                "predicted_per_second": self.gen_tps}
+
+
+class Model:
+    """A loaded model: `logits`, `generate`, `chat`, and the tokenizer."""
+
+    def __init__(self, path: Path, cfg: ModelConfig, net: MoEModel, tokenizer: Tokenizer | None,
+                 ctx_size: int, experts):
+        self.path, self.cfg, self.net, self.tokenizer = path, cfg, net, tokenizer
+        self.ctx_size = ctx_size
+        self.experts = experts  # the expert provider (resident table or cache)
+        self.eos_ids = set(cfg.eos_token_id)
+        if tokenizer is not None and tokenizer.eos_id is not None:
+            self.eos_ids.add(tokenizer.eos_id)
+
+    # ---- state ----
+    def new_session(self) -> Session:
+        return Session(self.net.new_kv(self.ctx_size))
+
+    def telemetry(self) -> dict:
+        fn = getattr(self.experts, "telemetry", None)
+        return fn() if fn else {}
+
+    def _begin_call(self) -> None:
+        # Sources are checked at the start of each top-level call (exact invalidation).
+        fn = getattr(self.experts, "begin_call", None)
+        if fn:
+            fn()
+
+    # ---- forwards ----
+    def logits(self, token_ids) -> torch.Tensor:
+        """One fresh forward over token_ids; logits [T, V]; no state is kept."""
+        ids = self._as_tensor(token_ids)
+        self._check_fits(len(ids))
+        self._begin_call()
+        return self.net.forward(ids, self.net.new_kv(len(ids)))
+
+    def prefill(self, session: Session, token_ids: list[int], ubatch: int = 512,
+                all_logits: bool = False) -> torch.Tensor:
+        """Append token_ids to the session in micro-batches; logits of the last token [V] (or all [T, V])."""
+        if ubatch < 1:
+            raise ExpertCacheError(f"ubatch {ubatch} must be at least 1")
+        if not token_ids:
+            raise ExpertCacheError("nothing to process: the prompt is empty")
+        self._check_fits(session.kv.length + len(token_ids))
+        outs = []
+        for s in range(0, len(token_ids), ubatch):
+            chunk = token_ids[s: s + ubatch]
+            last = s + ubatch >= len(token_ids)
+            out = self.net.forward(self._as_tensor(chunk), session.kv, all_logits=all_logits)
+            if all_logits or last:
+                outs.append(out)
+            session.tokens.extend(chunk)
+        return torch.cat(outs) if all_logits else outs[-1][-1]
+
+    def _as_tensor(self, token_ids) -> torch.Tensor:
+        ids = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids,
+                              dtype=torch.long, device=self.net.device).reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+            bad = int(ids.max()) if int(ids.max()) >= self.cfg.vocab_size else int(ids.min())
+            raise ExpertCacheError(f"token id {bad} out of range: the vocabulary has {self.cfg.vocab_size} tokens")
+        return ids
+
+    def _check_fits(self, n: int) -> None:
+        if n > self.ctx_size:
+            raise ExpertCacheError(f"{n} tokens do not fit the context of {self.ctx_size} tokens "
+                                   "(raise -c/--ctx-size or shorten the prompt)")
+
+    # ---- generation ----
+    def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+                 stop: list[str] | None = None, ubatch: int = 512, session: Session | None = None,
+                 on_text: Callable[[str], bool | None] | None = None,
+                 ignore_eos: bool = False) -> GenerationResult:
+        """Generate after `prompt`. With `session`, its longest common prefix with the prompt is
+        reused and the session holds the conversation afterwards. `on_text` receives each new
+        piece of text; returning False stops generation."""
+        if max_tokens < 0:
+            raise ExpertCacheError(f"max_tokens {max_tokens} must be >= 0")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ExpertCacheError("the prompt is empty")
+        self._check_fits(len(ids))
+        sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed))
+        self._begin_call()
+        if session is None:
+            session = self.new_session()
+        cached = _common_prefix(session.tokens, ids)
+        cached = min(cached, len(ids) - 1)  # the last prompt token must run to give logits
+        session.truncate(cached)
+
+        t0 = time.perf_counter()
+        logits = self.prefill(session, ids[cached:], ubatch)
+        t1 = time.perf_counter()
+        out: list[int] = []
+        decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
+        text = ""
+        finish = "length"
+        stop = [s for s in (stop or []) if s]
+        while len(out) < max_tokens:
+            tok = sampler(logits)
+            if tok in self.eos_ids and not ignore_eos:
+                finish = "stop"
+                break
+            out.append(tok)
+            if decoder is not None:
+                piece = decoder.push(tok)
+                text += piece
+                hit = _find_stop(text, stop)
+                if hit is not None:
+                    piece = piece[: max(0, hit - (len(text) - len(piece)))]
+                    text = text[:hit]
+                    if on_text and piece:
+                        on_text(piece)
+                    finish = "stop"
+                    break
+                if on_text and piece and on_text(piece) is False:
+                    finish = "abort"
+                    break
+            if len(out) == max_tokens or session.kv.length >= self.ctx_size:
+                break
+            logits = self.net.forward(self._as_tensor([tok]), session.kv, all_logits=False)[-1]
+            session.tokens.append(tok)
+        t2 = time.perf_counter()
+        if decoder is not None and finish != "stop":
+            # Flush what the stream decoder held back (an incomplete UTF-8 tail).
+            full = self.tokenizer.decode(out)
+            if on_text and full.startswith(text) and len(full) > len(text):
+                on_text(full[len(text):])
+            text = full
+        return GenerationResult(text, out, len(ids), cached, finish, t1 - t0, t2 - t1)
+
+    def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
+        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return self.generate(ids, **kwargs)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def default_model_path() -> Path:
+    """The bundled model shipped inside the package."""
+    return Path(__file__).parent / "assets" / "tiny-qwen3-moe"
+
+
+def load(path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
+         dtype: str | torch.dtype | None = None, cache: CacheConfig | None = None,
+         ctx_size: int | None = None, threads: int | None = None) -> Model:
+    """Load a Hugging Face MoE checkpoint directory (the bundled model when `path` is None)."""
+    from .checkpoint.loader import ExpertSource, load_dense, open_checkpoint
+    from .tiers import build_experts
+
+    if threads is not None:
+        if threads < 1:
+            raise ExpertCacheError(f"threads {threads} must be at least 1")
+        torch.set_num_threads(threads)
+    path = Path(path) if path is not None else default_model_path()
+    device = torch.device(device)
+    cfg, arch, ckpt, layout = open_checkpoint(path)
+    compute_dtype = parse_dtype(dtype) or cfg.dtype
+    if ctx_size is not None and ctx_size < 1:
+        raise ExpertCacheError(f"ctx-size {ctx_size} must be at least 1")
+    tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
+    embed, norm, lm_head, layers = load_dense(ckpt, cfg, layout, device, compute_dtype)
+    source = ExpertSource(ckpt, cfg, layout)
+    experts = build_experts(source, cache or CacheConfig(mode="resident"), device, compute_dtype)
+    net = MoEModel(cfg, arch, embed, norm, lm_head, layers, experts, device, compute_dtype)
+    return Model(path, cfg, net, tokenizer, ctx_size or cfg.max_position, experts)

@@ -1,0 +1,110 @@
+"""The decoder stack every supported architecture shares, and the weight-name tables that tell the
+loader where each family keeps its tensors.
+
+An architecture file declares data (names of its expert tensors in each checkpoint layout) and
+the few switches in which it differs; the forward pass below is written once.
+
+T = tokens, D = hidden, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .layers import AttentionWeights, KVCache, MLPWeights, Rotary, attention, rms_norm, swiglu
+from .moe import ExpertProvider, Routing, moe_experts, route
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLayout:
+    """Where one checkpoint layout keeps a MoE layer's router and experts, relative to
+    `model.layers.{i}.`. Per-expert layouts name gate, up and down with `{e}`; fused layouts name
+    gate_up [E, 2I, D] and down [E, D, I]; the packed layout names one [E, stride] tensor."""
+
+    name: str
+    router: str
+    gate: str | None = None
+    up: str | None = None
+    down: str | None = None
+    gate_up: str | None = None
+    packed: str | None = None
+
+
+PACKED_LAYOUT = ExpertLayout("packed", router="mlp.gate.weight", packed="mlp.experts.packed")
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn: AttentionWeights
+    router: torch.Tensor | None = None       # [E, D] on MoE layers
+    dense: MLPWeights | None = None          # dense (non-MoE) layers
+    shared: MLPWeights | None = None         # Qwen2-MoE shared expert
+    shared_gate: torch.Tensor | None = None  # [1, D]
+
+
+class MoEArch:
+    """Per-family data. Subclasses set the class attributes; nothing here holds state."""
+
+    model_type: str = ""
+    expert_layouts: tuple[ExpertLayout, ...] = ()
+    router_weights_fp32: bool = False  # Mixtral keeps routing weights in fp32
+
+
+# A hook that sees each MoE op's routing: (layer, routing). Used to record routing traces.
+RoutingHook = Callable[[int, Routing], None]
+
+
+class MoEModel:
+    """Forward pass over a KV cache. The experts come from `provider`; everything else is here."""
+
+    def __init__(self, cfg: ModelConfig, arch: type[MoEArch], embed: torch.Tensor, norm: torch.Tensor,
+                 lm_head: torch.Tensor, layers: list[LayerWeights], provider: ExpertProvider,
+                 device: torch.device, dtype: torch.dtype):
+        self.cfg, self.arch = cfg, arch
+        self.embed, self.norm, self.lm_head, self.layers = embed, norm, lm_head, layers
+        self.provider = provider
+        self.device, self.dtype = device, dtype
+        self.rotary = Rotary(cfg, device)
+        self.routing_hook: RoutingHook | None = None
+        # A hook that forces routing (benchmarks replay recorded traces): (layer, routing) -> routing.
+        self.routing_override: Callable[[int, Routing], Routing] | None = None
+
+    def new_kv(self, max_len: int) -> KVCache:
+        return KVCache(self.cfg, max_len, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, kv: KVCache, all_logits: bool = True) -> torch.Tensor:
+        """Run tokens [T] after what `kv` holds; return logits [T, V] (or [1, V] for the last)."""
+        cfg = self.cfg
+        T = tokens.shape[0]
+        positions = torch.arange(kv.length, kv.length + T, device=self.device)
+        cos, sin = self.rotary(positions, self.dtype)
+        h = self.embed[tokens]  # [T, D]
+        for i, lw in enumerate(self.layers):
+            h = h + attention(cfg, lw.attn, rms_norm(h, lw.input_norm, cfg.rms_norm_eps), i, kv, cos, sin)
+            x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
+            if lw.router is None:
+                h = h + swiglu(x, lw.dense.gate_up, lw.dense.down)
+                continue
+            routing = route(x, lw.router, cfg.top_k, cfg.norm_topk_prob, self.arch.router_weights_fp32)
+            if self.routing_override is not None:
+                routing = self.routing_override(i, routing)
+            if self.routing_hook is not None:
+                self.routing_hook(i, routing)
+            y = moe_experts(x, routing, self.provider, i, cfg.num_experts)
+            if lw.shared is not None:
+                shared = swiglu(x, lw.shared.gate_up, lw.shared.down)       # [T, D]
+                y = y + torch.sigmoid(F.linear(x, lw.shared_gate)) * shared  # [T, D]
+            h = h + y
+        kv.advance(T)
+        if not all_logits:
+            h = h[-1:]
+        h = rms_norm(h, self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head)  # [T, V]

@@ -1,0 +1,157 @@
+"""Dense building blocks shared by every architecture: RMSNorm, rotary embeddings, grouped-query
+attention over a KV cache, and the SwiGLU MLP.
+
+T = tokens in this call, P = tokens already in the KV cache, D = hidden size,
+H = query heads, G = key/value heads, Dh = head dim, I = MLP width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32 and scale in the compute dtype, as the reference implementations do.
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class Rotary:
+    """cos/sin tables for positions, computed in fp32 and cast to the compute dtype."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        inv_freq, self.scale = cfg.rope.inv_freq(cfg.head_dim)
+        self.inv_freq = inv_freq.to(device)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, Dh/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                      # [T, Dh]
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [heads, T, Dh]; cos, sin: [T, Dh]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class KVCache:
+    """Keys and values of every layer for one sequence; it grows on demand up to `max_len`.
+
+    It can be extended, truncated to a prefix and copied, so that a prompt cache or several
+    conversations can reuse it.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype):
+        self.cfg, self.max_len, self.device, self.dtype = cfg, max_len, device, dtype
+        self.length = 0
+        self.capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def _reserve(self, n: int) -> None:
+        if n <= self.capacity:
+            return
+        cap = min(self.max_len, max(n, 2 * self.capacity, 256))
+        shape = (self.cfg.num_kv_heads, cap, self.cfg.head_dim)
+        new_k = [torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(self.cfg.num_layers)]
+        new_v = [torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(self.cfg.num_layers)]
+        for old, new in ((self.k, new_k), (self.v, new_v)):
+            for o, n_ in zip(old, new):
+                n_[:, : self.length].copy_(o[:, : self.length])
+        self.k, self.v, self.capacity = new_k, new_v, cap
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [G, T, Dh] after the cached tokens; return all keys and values [G, P+T, Dh]."""
+        T = k.shape[1]
+        end = self.length + T
+        self._reserve(end)
+        self.k[layer][:, self.length:end].copy_(k)
+        self.v[layer][:, self.length:end].copy_(v)
+        return self.k[layer][:, :end], self.v[layer][:, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first n tokens."""
+        self.length = min(self.length, n)
+
+    def copy(self) -> KVCache:
+        other = KVCache(self.cfg, self.max_len, self.device, self.dtype)
+        if self.length:
+            other._reserve(self.length)
+            for src, dst in ((self.k, other.k), (self.v, other.v)):
+                for s, d in zip(src, dst):
+                    d[:, : self.length].copy_(s[:, : self.length])
+        other.length = self.length
+        return other
+
+
+@dataclass(slots=True)
+class AttentionWeights:
+    q: torch.Tensor            # [H*Dh, D]
+    k: torch.Tensor            # [G*Dh, D]
+    v: torch.Tensor            # [G*Dh, D]
+    o: torch.Tensor            # [D, H*Dh]
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [Dh] (per head) or [H*Dh] (whole projection)
+    k_norm: torch.Tensor | None = None
+
+
+def attention(cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, layer: int, kv: KVCache,
+              cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    T = x.shape[0]
+    H, G, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = F.linear(x, w.q, w.q_bias)  # [T, H*Dh]
+    k = F.linear(x, w.k, w.k_bias)  # [T, G*Dh]
+    v = F.linear(x, w.v, w.v_bias)  # [T, G*Dh]
+    if cfg.qk_norm == "full":
+        q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+    if cfg.clip_qkv is not None:
+        q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+    q = q.view(T, H, Dh)
+    k = k.view(T, G, Dh)
+    if cfg.qk_norm == "head":
+        q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+    q = apply_rotary(q.transpose(0, 1), cos, sin)  # [H, T, Dh]
+    k = apply_rotary(k.transpose(0, 1), cos, sin)  # [G, T, Dh]
+    v = v.view(T, G, Dh).transpose(0, 1)            # [G, T, Dh]
+    P = kv.length
+    keys, values = kv.append(layer, k, v)           # [G, P+T, Dh]
+    if G != H:
+        keys = keys.repeat_interleave(H // G, dim=0)      # [H, P+T, Dh]
+        values = values.repeat_interleave(H // G, dim=0)  # [H, P+T, Dh]
+    mask = None
+    if T > 1 or cfg.sliding_window is not None:
+        qpos = torch.arange(P, P + T, device=x.device)[:, None]  # [T, 1]
+        kpos = torch.arange(P + T, device=x.device)[None, :]     # [1, P+T]
+        allowed = kpos <= qpos
+        if cfg.sliding_window is not None:
+            allowed &= kpos > qpos - cfg.sliding_window
+        mask = allowed                                           # [T, P+T]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=Dh ** -0.5)  # [H, T, Dh]
+    out = out.transpose(0, 1).reshape(T, H * Dh)                 # [T, H*Dh]
+    return F.linear(out, w.o, w.o_bias)                          # [T, D]
+
+
+@dataclass(slots=True)
+class MLPWeights:
+    gate_up: torch.Tensor  # [2I, D]: gate rows, then up rows
+    down: torch.Tensor     # [D, I]
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    g, u = F.linear(x, gate_up).chunk(2, dim=-1)  # [T, I] each
+    return F.linear(F.silu(g) * u, down)          # [T, D]

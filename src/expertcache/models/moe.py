@@ -1,0 +1,100 @@
+"""The routed MoE block: top-k routing, then each chosen expert computed from weights that an
+`ExpertProvider` hands out, combined in a fixed order.
+
+The layer never sees where experts live. It asks the provider for the sorted distinct experts an
+op uses; the provider yields them in one or more waves (a cache smaller than the op cannot hold
+them all at once). Each expert's output goes to its own rows of a buffer laid out by token and
+router rank, and the weighted sum over ranks is taken once at the end, so the result does not
+depend on how many waves there were or in which order experts arrived.
+
+T = tokens, D = hidden, E = experts, A = active experts per token (top-k), I = expert width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .layers import swiglu
+
+# One expert as the layer sees it: its id, gate/up rows [2I, D] and down [D, I].
+ExpertView = tuple[int, torch.Tensor, torch.Tensor]
+
+
+class ExpertProvider(Protocol):
+    def fetch(self, layer: int, experts: Sequence[int]) -> Iterator[list[ExpertView]]:
+        """Yield the experts of `layer` in waves; each wave's views are valid until the next one.
+
+        `experts` are the op's distinct expert ids, sorted. The generator's cleanup releases
+        what it pinned, so a caller that stops early leaves nothing pinned.
+        """
+        ...
+
+
+def expert_views(flat: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split one expert's contiguous range into gate/up [2I, D] and down [D, I] views."""
+    gu = 2 * inter * hidden
+    return flat[:gu].view(2 * inter, hidden), flat[gu: gu + hidden * inter].view(hidden, inter)
+
+
+def padded_numel(numel: int, itemsize: int, align: int = 256) -> int:
+    """Elements per expert row, rounded so each expert starts on an `align`-byte boundary."""
+    per = max(1, align // itemsize)
+    return -(-numel // per) * per
+
+
+class ResidentExperts:
+    """Every expert of every MoE layer in one tensor per layer [E, stride]: the upper bound."""
+
+    def __init__(self, layers: dict[int, torch.Tensor], hidden: int, inter: int):
+        self.layers, self.hidden, self.inter = layers, hidden, inter
+
+    def fetch(self, layer: int, experts: Sequence[int]) -> Iterator[list[ExpertView]]:
+        rows = self.layers[layer]
+        yield [(e, *expert_views(rows[e], self.hidden, self.inter)) for e in experts]
+
+
+@dataclass(slots=True)
+class Routing:
+    weights: torch.Tensor  # [T, A] routing weights, in router-rank order
+    ids: torch.Tensor      # [T, A] expert ids
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
+          weights_fp32: bool = False) -> Routing:
+    logits = F.linear(x, router)                             # [T, E]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # [T, E]
+    w, ids = torch.topk(probs, top_k, dim=-1)                # [T, A]
+    if normalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    if not weights_fp32:
+        w = w.to(logits.dtype)
+    return Routing(w, ids)
+
+
+def moe_experts(x: torch.Tensor, routing: Routing, provider: ExpertProvider, layer: int,
+                num_experts: int) -> torch.Tensor:
+    T, D = x.shape
+    A = routing.ids.shape[1]
+    flat = routing.ids.reshape(-1)                              # [T*A]
+    order = torch.argsort(flat, stable=True)                    # [T*A] rows grouped by expert id
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    starts = [0] * num_experts
+    used = []
+    acc = 0
+    for e, c in enumerate(counts):
+        starts[e] = acc
+        acc += c
+        if c:
+            used.append(e)
+    out = x.new_empty(T * A, D)                                 # [T*A, D] by token, then rank
+    for wave in provider.fetch(layer, used):
+        for e, gate_up, down in wave:
+            rows = order[starts[e]: starts[e] + counts[e]]       # [n] positions in [T*A]
+            out[rows] = swiglu(x[rows // A], gate_up, down)       # [n, D]
+    y = out.view(T, A, D) * routing.weights.unsqueeze(-1)         # [T, A, D]
+    return y.sum(dim=1).to(x.dtype)                               # [T, D]

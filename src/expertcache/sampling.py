@@ -1,0 +1,54 @@
+"""Choosing the next token from logits: greedy, or temperature with top-k, top-p and min-p."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ExpertCacheError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0            # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ExpertCacheError(f"temperature {self.temperature} must be >= 0")
+        if self.top_k < 0:
+            raise ExpertCacheError(f"top_k {self.top_k} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ExpertCacheError(f"top_p {self.top_p} must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ExpertCacheError(f"min_p {self.min_p} must be in [0, 1]")
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.p = params
+        self.gen = torch.Generator()
+        self.gen.manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits [V] -> token id."""
+        p = self.p
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        logits = logits.float() / p.temperature
+        if p.top_k and p.top_k < logits.shape[0]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+            drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
+            probs = probs.scatter(0, idx[drop], 0.0)
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        return int(torch.multinomial(probs.cpu(), 1, generator=self.gen))

@@ -1,0 +1,112 @@
+"""Tokenizer (tokenizer.json through `tokenizers`) and chat templates rendered with jinja2 the
+way transformers renders them. The engine never sees text; this module is the only place that does.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from .errors import ExpertCacheError
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, directory: str | Path):
+        d = Path(directory)
+        path = d / "tokenizer.json"
+        if not path.exists():
+            raise ExpertCacheError(f"{path}: missing (a model directory needs tokenizer.json)")
+        try:
+            self.tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception subclass
+            raise ExpertCacheError(f"{path}: cannot load tokenizer: {e}") from None
+        cfg = {}
+        cfg_path = d / "tokenizer_config.json"
+        if cfg_path.exists():
+            try:
+                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ExpertCacheError(f"{cfg_path}: not valid JSON: {e}") from None
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.bos_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.add_bos = bool(cfg.get("add_bos_token", False)) and self.bos_id is not None
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: use the default one
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_path = d / "chat_template.jinja"
+        if jinja_path.exists():
+            template = jinja_path.read_text(encoding="utf-8")
+        self.chat_template = template
+        self._compiled = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # Some tokenizer.json files leave BOS to tokenizer_config's add_bos_token.
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        if not self.chat_template:
+            raise ExpertCacheError("this model has no chat template (tokenizer_config.json chat_template "
+                                   "or chat_template.jinja)")
+        if self._compiled is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[jinja2.ext.loopcontrols])
+
+            def raise_exception(message):
+                raise ExpertCacheError(f"chat template: {message}")
+
+            def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+                return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                                  sort_keys=sort_keys)
+
+            env.filters["tojson"] = tojson
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            try:
+                self._compiled = env.from_string(self.chat_template)
+            except jinja2.TemplateError as e:
+                raise ExpertCacheError(f"chat template does not compile: {e}") from None
+        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The rendered template already holds any special tokens it wants, as in transformers.
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class StreamDecoder:
+    """Turns generated token ids into text pieces, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.ids, self.emitted = tokenizer, [], 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.emitted = text[self.emitted:], len(text)
+        return piece

@@ -1,0 +1,102 @@
+"""Tiny random MoE checkpoints built with transformers (the reference) and saved as real
+Hugging Face checkpoints, plus a minimal tokenizer for them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+# Bitwise results may differ between thread counts: pin it for every test.
+torch.set_num_threads(1)
+
+VOCAB = 128
+
+
+def tiny_config(arch: str, *, tie: bool = False, dense: bool = False, rope: dict | None = None,
+                experts: int = 8, top_k: int = 2, layers: int = 3, norm_topk: bool = True, **over):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=tie, num_experts_per_tok=top_k, eos_token_id=1, bos_token_id=None,
+                  pad_token_id=None)
+    if rope:
+        common["rope_parameters"] = rope
+    if arch == "qwen3_moe":
+        c = tf.Qwen3MoeConfig(**common, head_dim=16, num_experts=experts, moe_intermediate_size=32,
+                              intermediate_size=96, norm_topk_prob=norm_topk,
+                              mlp_only_layers=[1] if dense else [], **over)
+    elif arch == "qwen2_moe":
+        c = tf.Qwen2MoeConfig(**common, num_experts=experts, moe_intermediate_size=32, intermediate_size=96,
+                              shared_expert_intermediate_size=48, norm_topk_prob=norm_topk,
+                              decoder_sparse_step=2 if dense else 1, **over)
+    elif arch == "olmoe":
+        c = tf.OlmoeConfig(**common, num_experts=experts, intermediate_size=32, norm_topk_prob=norm_topk,
+                           clip_qkv=over.pop("clip_qkv", None), **over)
+    elif arch == "mixtral":
+        c = tf.MixtralConfig(**common, num_local_experts=experts, intermediate_size=32, sliding_window=None, **over)
+    else:
+        raise ValueError(arch)
+    return c
+
+
+def build_reference(config, seed: int = 0):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init gives tiny weights; widen them so routing and logits are not all near ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.ndim >= 2:
+                p.normal_(0.0, 0.15)
+            else:
+                p.normal_(0.0, 0.05)
+    return model.eval()
+
+
+def write_tokenizer(directory: Path, vocab: int = VOCAB) -> None:
+    """A word-level tokenizer over `vocab` ids, with a ChatML chat template and EOS id 1."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    words = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    words += [f"w{i}" for i in range(vocab - len(words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins with spaces
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(str(directory / "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "bos_token": None, "chat_template": template}))
+
+
+def save_checkpoint(model, directory: Path, fused: bool = False, dtype: torch.dtype | None = None,
+                    shard: str | None = None) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    if dtype is not None:
+        model = model.to(dtype)
+    kwargs = {"save_original_format": False} if fused else {}
+    if shard:
+        kwargs["max_shard_size"] = shard
+    model.save_pretrained(directory, **kwargs)
+    write_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    """Factory: (arch, **config options) -> (reference model, checkpoint dir)."""
+
+    def make(arch: str, fused: bool = False, seed: int = 0, dtype=None, shard=None, **opts):
+        ref = build_reference(tiny_config(arch, **opts), seed)
+        d = save_checkpoint(ref, tmp_path / f"{arch}-{'fused' if fused else 'per'}-{seed}", fused, dtype, shard)
+        return ref, d
+
+    return make
