@@ -46,6 +46,7 @@ def tiny_config(arch: str, *, tie: bool = False, dense: bool = False, rope: dict
 def build_reference(config, seed: int = 0):
     import transformers as tf
 
+    tf.utils.logging.disable_progress_bar()
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init gives tiny weights; widen them so routing and logits are not all near ties.

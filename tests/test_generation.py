@@ -1,0 +1,112 @@
+"""Generation: sampling, stop conditions, sessions (KV state reuse), context limits, chat."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import expertcache
+from expertcache import ExpertCacheError
+
+
+@pytest.fixture
+def model(tiny_checkpoint):
+    _, d = tiny_checkpoint("qwen3_moe")
+    return expertcache.load(d, ctx_size=128)
+
+
+PROMPT = [5, 9, 17, 33, 60, 7]
+
+
+def test_same_seed_same_text(model):
+    a = model.generate(PROMPT, max_tokens=24, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    b = model.generate(PROMPT, max_tokens=24, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    c = model.generate(PROMPT, max_tokens=24, temperature=0.9, top_p=0.95, seed=12, ignore_eos=True)
+    assert a.token_ids == b.token_ids and a.text == b.text
+    assert a.token_ids != c.token_ids
+
+
+def test_top_k_one_and_min_p_one_are_greedy(model):
+    greedy = model.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids
+    assert model.generate(PROMPT, max_tokens=16, temperature=1.5, top_k=1, seed=3, ignore_eos=True).token_ids == greedy
+    assert model.generate(PROMPT, max_tokens=16, temperature=1.5, min_p=1.0, seed=3, ignore_eos=True).token_ids == greedy
+
+
+def test_greedy_equals_argmax_of_full_forward(model):
+    res = model.generate(PROMPT, max_tokens=10, ignore_eos=True)
+    seq = PROMPT + res.token_ids
+    logits = model.logits(seq)
+    assert res.token_ids == logits[len(PROMPT) - 1: -1].argmax(-1).tolist()
+
+
+def test_eos_stops(model):
+    # Find what greedy generates, then declare its 3rd token the EOS.
+    ids = model.generate(PROMPT, max_tokens=8, ignore_eos=True).token_ids
+    model.eos_ids = {ids[2]}
+    res = model.generate(PROMPT, max_tokens=8)
+    assert res.token_ids == ids[:ids.index(ids[2])] and res.finish_reason == "stop"
+
+
+def test_stop_string_and_max_tokens(model):
+    full = model.generate(PROMPT, max_tokens=12, ignore_eos=True)
+    assert full.finish_reason == "length" and len(full.token_ids) == 12
+    words = full.text.split()
+    stop = words[3]
+    res = model.generate(PROMPT, max_tokens=12, stop=[stop], ignore_eos=True)
+    assert res.finish_reason == "stop"
+    assert res.text == full.text[: full.text.index(stop)]
+    streamed = []
+    model.generate(PROMPT, max_tokens=12, stop=[stop], ignore_eos=True, on_text=streamed.append)
+    assert "".join(streamed) == res.text
+
+
+def test_ubatch_does_not_change_results(model):
+    prompt = list(range(4, 70))
+    a = model.generate(prompt, max_tokens=8, ubatch=512, ignore_eos=True)
+    b = model.generate(prompt, max_tokens=8, ubatch=7, ignore_eos=True)
+    assert a.token_ids == b.token_ids
+
+
+def test_session_reuses_prefix_and_matches_fresh(model):
+    session = model.new_session()
+    first = model.generate(PROMPT, max_tokens=6, session=session, ignore_eos=True)
+    assert first.cached_tokens == 0
+    follow = PROMPT + first.token_ids + [40, 41, 42]
+    again = model.generate(follow, max_tokens=6, session=session, ignore_eos=True)
+    assert again.cached_tokens == len(PROMPT) + len(first.token_ids) - 1
+    fresh = model.generate(follow, max_tokens=6, ignore_eos=True)
+    assert again.token_ids == fresh.token_ids
+
+
+def test_session_copy_and_truncate(model):
+    s = model.new_session()
+    model.prefill(s, PROMPT)
+    c = s.copy()
+    c.truncate(3)
+    assert s.kv.length == len(PROMPT) and c.kv.length == 3 and c.tokens == PROMPT[:3]
+    a = model.prefill(c, PROMPT[3:])
+    b = model.prefill(model.new_session(), PROMPT)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_prompt_longer_than_context_is_an_error(model):
+    with pytest.raises(ExpertCacheError, match="do not fit the context of 128"):
+        model.generate(list(range(4, 4 + 129)), max_tokens=1)
+
+
+def test_generation_stops_at_context_end(model):
+    res = model.generate(list(range(4, 4 + 120)), max_tokens=50, ignore_eos=True)
+    assert len(res.token_ids) == 128 - 120 + 1 and res.finish_reason == "length"
+
+
+def test_chat_uses_template(model):
+    res = model.chat([{"role": "user", "content": "w1 w2"}], max_tokens=4, ignore_eos=True)
+    ids = model.tokenizer.encode_chat([{"role": "user", "content": "w1 w2"}])
+    assert res.prompt_tokens == len(ids)
+    assert res.token_ids == model.generate(ids, max_tokens=4, ignore_eos=True).token_ids
+
+
+def test_bad_sampling_values(model):
+    for kwargs in ({"temperature": -1}, {"top_p": 0}, {"min_p": 2}, {"top_k": -1}, {"max_tokens": -1}):
+        with pytest.raises(ExpertCacheError):
+            model.generate(PROMPT, **kwargs)
