@@ -51,21 +51,24 @@ def simulate(ops: Sequence[Op], capacity: int, policy: str | Policy, expert_byte
         policy = make_policy(policy, capacity)
     residency = Residency(capacity, policy)
     hits = misses = evictions = ranges = 0
-    seen: set[ExpertKey] = set()
+    first_uses = 0
+    seen: dict[int, int] = {}  # layer -> bitset of the experts used so far
     for layer, experts in ops:
         plan = residency.plan(layer, experts)
         hits += len(plan.hits)
         misses += len(plan.misses)
         evictions += len(plan.evicted)
         ranges += plan.copy_ranges
-        seen.update(ExpertKey(layer, e) for e in experts)
+        before = seen.get(layer, 0)
+        seen[layer] = after = before | sum(1 << e for e in experts)
+        first_uses += (after & ~before).bit_count()
     return SimResult(
         policy=policy.name,
         capacity=capacity,
         ops=len(ops),
         hits=hits,
         misses=misses,
-        compulsory_misses=len(seen),
+        compulsory_misses=first_uses,
         evictions=evictions,
         bytes_moved=misses * expert_bytes,
         copy_ranges=ranges,

@@ -129,8 +129,8 @@ class LRU(Policy):
 class LFU(Policy):
     """Least frequently used, with aging; ties go to the least recently used key.
 
-    An insert counts 1 and each hit adds 1. After every `halve_every`-th access (hit or insert,
-    counted over the policy's lifetime) every count is halved, rounded down, so that experts that
+    An insert counts 1 and each hit adds 1. After every `halve_every`-th access (hit or insert;
+    default 16 x capacity) every count is halved, rounded down, so that experts that
     were hot long ago (a past prompt's topic) lose their lead. Evicts the key with the lowest
     count; among equal counts, the one whose last access is oldest. O(log n) per call amortized
     (a heap with lazy deletion, rebuilt on each halving).
@@ -139,14 +139,13 @@ class LFU(Policy):
     name = "lfu"
 
     def __init__(self, capacity: int, halve_every: int | None = None) -> None:
-        if halve_every is None:
-            halve_every = 16 * capacity
-        if not isinstance(halve_every, int) or halve_every < 1:
+        if halve_every is not None and (not isinstance(halve_every, int) or halve_every < 1):
             raise ValueError(f"LFU halve_every must be an integer >= 1, got {halve_every!r}")
-        self.halve_every = halve_every
+        self._halve_every = halve_every
         super().__init__(capacity)
 
     def _reset_state(self) -> None:
+        self.halve_every = self._halve_every or 16 * self.capacity
         self._count: dict[ExpertKey, int] = {}
         self._last: dict[ExpertKey, int] = {}
         self._clock = 0
@@ -398,8 +397,18 @@ class Belady(Policy):
     key is evicted. The next use is counted in ops after the current one: keys the current op
     already used (an earlier wave of a large op) are as far as their next op. O(log n) per call.
 
-    MIN minimizes misses exactly when every op fits in the cache (no op needs more keys than there
-    are slots); ops that run in waves break that, see `bench.simulate.brute_force_min_misses`.
+    Optimal exactly when every op fits in the cache (no op uses more keys than there are slots):
+    each op is then one request for a set of keys that must be resident together, all pinned, and
+    MIN's exchange argument carries over (ties do not matter: two keys next used by the same op
+    cost one miss whichever stays). It is NOT optimal once an op runs in waves: the keys an op hits
+    go into its first wave, the keys it misses into later ones, and a later wave may evict the
+    first, so what is resident after the op depends on which of its keys were resident at its start,
+    which next-use distances do not see. Smallest example, capacity 2, ops {0,1,2} {0,1,2} {0,2}:
+    op 0 runs as {0,1} then {2}, evicting 0 or 1 (both next used by op 1). Keeping 0, op 1 hits
+    0 and 2 and loads 1 in a second wave that evicts 0 or 2, so op 2 misses: 5 misses. Keeping 1,
+    op 1 loads 0 in its second wave by evicting 1, and op 2 hits both: 4 misses. Neither tie-break
+    is right in general, and on such traces a runtime policy (even LRU) can beat MIN; the optimum
+    is `bench.simulate.brute_force_min_misses`.
     """
 
     name = "belady"

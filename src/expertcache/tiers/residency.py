@@ -60,14 +60,18 @@ class Residency:
     - a wave's fills take free slots first and evict (policy's choice) only for the rest;
     - a run of consecutive missing expert ids goes into the lowest run of consecutive free slots
       long enough for it, so that it is one copy; otherwise into the lowest free slots.
+    The policy hears `begin_op`, then `hit` for each hit in id order, then per wave every `evict`
+    before the wave's `insert`s (id order).
     """
 
     def __init__(self, capacity: int, policy: Policy) -> None:
+        self._reset(capacity)
         if policy.capacity != capacity:
-            raise ValueError(f"policy {policy.name!r} was built for {policy.capacity} slots, the cache has {capacity}")
+            raise ValueError(
+                f"policy {policy.name!r} was built for {policy.capacity} slots, the cache has {capacity}"
+            )
         self._policy = policy
         self._ops = 0
-        self._reset(capacity)
 
     def _reset(self, capacity: int) -> None:
         if not isinstance(capacity, int) or capacity < 1:
@@ -119,35 +123,41 @@ class Residency:
         self._policy.begin_op(self._ops)
         self._ops += 1
 
+        keys = {e: ExpertKey(layer, e) for e in experts}
         mask = self._masks.get(layer, 0)
         hits = [e for e in experts if mask >> e & 1]
         misses = [e for e in experts if not mask >> e & 1]
         for e in hits:
-            self._policy.hit(ExpertKey(layer, e))
+            self._policy.hit(keys[e])
 
         room = self._capacity - len(hits)
-        waves = [self._wave(layer, sorted(hits + misses[:room]), misses[:room])]
+        first = experts if not misses else sorted(hits + misses[:room])
+        waves = [self._wave(layer, keys, first, misses[:room])]
         for i in range(room, len(misses), self._capacity):
             chunk = misses[i : i + self._capacity]
-            waves.append(self._wave(layer, chunk, chunk))
+            waves.append(self._wave(layer, keys, chunk, chunk))
         return OpPlan(layer, hits, misses, waves, loaded_before=mask.bit_count())
 
-    def _wave(self, layer: int, experts: list[int], fills: list[int]) -> Wave:
-        pinned = {ExpertKey(layer, e) for e in experts}
+    def _wave(self, layer: int, keys: dict[int, ExpertKey], experts: list[int], fills: list[int]) -> Wave:
         evicted = []
-        for _ in range(len(fills) - len(self._free)):
-            victim = self._policy.evict(pinned)
-            assert victim not in pinned and victim in self._slot_of, victim
-            self._drop(victim)
-            evicted.append(victim)
+        lacking = len(fills) - len(self._free)
+        if lacking > 0:
+            pinned = {keys[e] for e in experts}
+            for _ in range(lacking):
+                victim = self._policy.evict(pinned)
+                assert victim not in pinned and victim in self._slot_of, victim
+                self._drop(victim)
+                evicted.append(victim)
 
         placed = self._place(fills)
+        mask = self._masks.get(layer, 0)  # read after the evictions, which may clear bits of `layer`
         for e, slot in placed:
-            key = ExpertKey(layer, e)
+            key = keys[e]
             self._slot_of[key] = slot
             self._key_of[slot] = key
-            self._masks[layer] = self._masks.get(layer, 0) | (1 << e)
+            mask |= 1 << e
             self._policy.insert(key)
+        self._masks[layer] = mask
 
         runs: list[list[int]] = []
         for e, slot in placed:
@@ -155,7 +165,7 @@ class Residency:
                 runs[-1][2] += 1
             else:
                 runs.append([e, slot, 1])
-        slots = [self._slot_of[ExpertKey(layer, e)] for e in experts]
+        slots = [self._slot_of[keys[e]] for e in experts]
         return Wave(experts, slots, placed, [tuple(r) for r in runs], evicted)
 
     def _place(self, fills: list[int]) -> list[tuple[int, int]]:
