@@ -83,11 +83,28 @@ class Model:
         fn = getattr(self.experts, "telemetry", None)
         return fn() if fn else {}
 
+    def resize_cache(self, cache: CacheConfig) -> None:
+        """Reallocate the expert cache at another size or mode; its slots are invalidated (reason `pool`)."""
+        self.experts.resize(cache)
+
     def _begin_call(self) -> None:
-        # Sources are checked at the start of each top-level call (exact invalidation).
-        fn = getattr(self.experts, "begin_call", None)
-        if fn:
-            fn()
+        # The checkpoint is checked at the start of each top-level call: if it changed on disk,
+        # the weights are read again and exactly the stale slots are invalidated.
+        if self.experts.source_changed():
+            self._reload()
+
+    def _reload(self) -> None:
+        from .checkpoint.loader import ExpertSource, load_dense, open_checkpoint
+        from .tiers import make_store_for
+
+        cfg, arch, ckpt, layout = open_checkpoint(self.path)
+        dtype, device = self.net.dtype, self.net.device
+        embed, norm, lm_head, layers = load_dense(ckpt, cfg, layout, device, dtype)
+        source = ExpertSource(ckpt, cfg, layout)
+        self.experts.set_store(make_store_for(source, self.experts.config, device, dtype))
+        net = MoEModel(cfg, arch, embed, norm, lm_head, layers, self.experts, device, dtype)
+        net.routing_hook, net.routing_override = self.net.routing_hook, self.net.routing_override
+        self.cfg, self.net = cfg, net
 
     # ---- forwards ----
     def logits(self, token_ids) -> torch.Tensor:

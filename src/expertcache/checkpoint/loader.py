@@ -6,7 +6,6 @@ architecture's tables, validation (missing, unexpected, shapes), dense weights, 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,7 +15,7 @@ from ..errors import ExpertCacheError
 from ..models import ARCHITECTURES
 from ..models.base import PACKED_LAYOUT, ExpertLayout, LayerWeights, MoEArch
 from ..models.layers import AttentionWeights, MLPWeights
-from .safetensors_io import Checkpoint, TensorInfo
+from .safetensors_io import Checkpoint, Segment, TensorInfo
 
 
 def read_config(directory: str | Path) -> tuple[ModelConfig, dict]:
@@ -35,15 +34,6 @@ def read_config(directory: str | Path) -> tuple[ModelConfig, dict]:
     if not isinstance(raw, dict):
         raise ExpertCacheError(f"{path}: expected a JSON object")
     return ModelConfig.from_hf(raw, str(path)), raw
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """A byte range of one file holding part of an expert."""
-
-    file: Path
-    offset: int
-    nbytes: int
 
 
 class ExpertSource:

@@ -37,6 +37,15 @@ class TensorInfo:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A byte range of one file (for example, part of an expert)."""
+
+    file: Path
+    offset: int
+    nbytes: int
+
+
 def read_header(path: Path) -> tuple[dict, int]:
     """The JSON header of one safetensors file and the offset where its data begins."""
     try:

@@ -35,29 +35,6 @@ class ExpertProvider(Protocol):
         ...
 
 
-def expert_views(flat: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split one expert's contiguous range into gate/up [2I, D] and down [D, I] views."""
-    gu = 2 * inter * hidden
-    return flat[:gu].view(2 * inter, hidden), flat[gu: gu + hidden * inter].view(hidden, inter)
-
-
-def padded_numel(numel: int, itemsize: int, align: int = 256) -> int:
-    """Elements per expert row, rounded so each expert starts on an `align`-byte boundary."""
-    per = max(1, align // itemsize)
-    return -(-numel // per) * per
-
-
-class ResidentExperts:
-    """Every expert of every MoE layer in one tensor per layer [E, stride]: the upper bound."""
-
-    def __init__(self, layers: dict[int, torch.Tensor], hidden: int, inter: int):
-        self.layers, self.hidden, self.inter = layers, hidden, inter
-
-    def fetch(self, layer: int, experts: Sequence[int]) -> Iterator[list[ExpertView]]:
-        rows = self.layers[layer]
-        yield [(e, *expert_views(rows[e], self.hidden, self.inter)) for e in experts]
-
-
 @dataclass(slots=True)
 class Routing:
     weights: torch.Tensor  # [T, A] routing weights, in router-rank order

@@ -5,20 +5,19 @@ from __future__ import annotations
 import torch
 
 from ..config import CacheConfig
-from ..errors import ExpertCacheError
-from ..models.moe import ResidentExperts, padded_numel
+from .cache import ExpertCache
+from .layout import padded_numel
+from .store import ExpertStore, make_store
 
 
-def build_experts(source, cache: CacheConfig, device: torch.device, dtype: torch.dtype):
-    """The expert provider the MoE layers read from, as `cache` asks."""
-    if cache.mode != "resident":
-        raise ExpertCacheError(f"cache mode {cache.mode!r} is not available yet")
-    cfg = source.cfg
+def make_store_for(source, cache: CacheConfig, device: torch.device, dtype: torch.dtype) -> ExpertStore:
     stride = padded_numel(source.numel, dtype.itemsize)
-    layers = {}
-    for layer in cfg.moe_layers:
-        rows = torch.zeros(cfg.num_experts, stride, device=device, dtype=dtype)
-        for e in range(cfg.num_experts):
-            rows[e, : source.numel].copy_(source.read(layer, e))
-        layers[layer] = rows
-    return ResidentExperts(layers, cfg.hidden_size, cfg.moe_intermediate_size)
+    # Resident mode copies every expert into the pool once; a RAM copy beside it would double
+    # the memory, so it fills from the memory-mapped checkpoint instead.
+    name = "mmap" if cache.mode == "resident" and cache.store == "ram" else cache.store
+    return make_store(name, source, dtype, stride, device)
+
+
+def build_experts(source, cache: CacheConfig, device: torch.device, dtype: torch.dtype) -> ExpertCache:
+    """The expert provider the MoE layers read from: a slot cache over the chosen slow tier."""
+    return ExpertCache(make_store_for(source, cache, device, dtype), cache, device)

@@ -1,0 +1,82 @@
+"""Cache counters, per layer and in total, with the names and meanings of DESIGN.md.
+
+Each counter counts per MoE op over the op's distinct (layer, expert) keys and sums over ops.
+Copies made while loading or resizing are counted apart (`load_*`), never in these.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+
+OP_COUNTERS = (
+    "ops_seen", "used_experts_unique", "loaded_experts_before", "resident_hits", "resident_misses",
+    "copied_experts", "copied_bytes", "copy_ranges", "skipped_experts", "skipped_bytes", "empty_copy_ops",
+    "evictions", "waves",
+)
+INVALIDATION_REASONS = ("source", "dtype", "shape", "expert_count", "pool")
+
+
+class Telemetry:
+    def __init__(self, expert_bytes: int):
+        self.expert_bytes = expert_bytes
+        self.layers: dict[int, Counter] = {}
+        self.invalidations: Counter = Counter({r: 0 for r in INVALIDATION_REASONS})
+        self.pre_invalid_loaded = 0
+        self.pre_invalid_hit = 0
+        self.load_copied_experts = 0
+        self.load_copied_bytes = 0
+        self.trace = os.environ.get("EXPERTCACHE_CACHE_TRACE") == "1"
+        self.trace_every = max(1, int(os.environ.get("EXPERTCACHE_CACHE_TRACE_EVERY", "100") or 100))
+        self._ops = 0
+
+    def op(self, layer: int, used: int, loaded_before: int, hits: int, copied: int, ranges: int,
+           evictions: int, waves: int) -> None:
+        c = self.layers.get(layer)
+        if c is None:
+            c = self.layers[layer] = Counter({k: 0 for k in OP_COUNTERS})
+        c["ops_seen"] += 1
+        c["used_experts_unique"] += used
+        c["loaded_experts_before"] += loaded_before
+        c["resident_hits"] += hits
+        c["resident_misses"] += used - hits
+        c["copied_experts"] += copied
+        c["copied_bytes"] += copied * self.expert_bytes
+        c["copy_ranges"] += ranges
+        c["skipped_experts"] += hits
+        c["skipped_bytes"] += hits * self.expert_bytes
+        c["empty_copy_ops"] += copied == 0
+        c["evictions"] += evictions
+        c["waves"] += waves
+        self._ops += 1
+        if self.trace and self._ops % self.trace_every == 0:
+            print(self.line(), file=sys.stderr, flush=True)
+
+    def total(self) -> dict:
+        t = Counter({k: 0 for k in OP_COUNTERS})
+        for c in self.layers.values():
+            t.update(c)
+        out = dict(t)
+        used = out["used_experts_unique"]
+        out["hit_rate"] = out["resident_hits"] / used if used else 0.0
+        return out
+
+    def line(self) -> str:
+        t = self.total()
+        return (f"expertcache cache: ops={t['ops_seen']} used={t['used_experts_unique']} "
+                f"hits={t['resident_hits']} misses={t['resident_misses']} hit_rate={t['hit_rate']:.3f} "
+                f"copied={t['copied_experts']} ({t['copied_bytes'] / 1e6:.1f} MB in {t['copy_ranges']} ranges) "
+                f"evictions={t['evictions']} empty_copy_ops={t['empty_copy_ops']} "
+                f"invalidations={sum(self.invalidations.values())}")
+
+    def as_dict(self) -> dict:
+        return {
+            "total": self.total(),
+            "layers": {str(k): dict(v) for k, v in sorted(self.layers.items())},
+            "invalidations": dict(self.invalidations),
+            "pre_invalid_loaded": self.pre_invalid_loaded,
+            "pre_invalid_hit": self.pre_invalid_hit,
+            "load_copied_experts": self.load_copied_experts,
+            "load_copied_bytes": self.load_copied_bytes,
+        }

@@ -1,0 +1,233 @@
+"""The fast tier: one slot pool, allocated once and owned by the cache, shared by all layers.
+
+Per MoE op the cache plans with `Residency` (pure bookkeeping: hits, misses, victims, waves),
+copies only the missing experts (runs of experts contiguous in the slow tier into consecutive
+slots as one copy), and yields views into the slots wave by wave. When nothing is missing no copy
+is issued and nothing waits. Slots are described by what they hold (key, source file version,
+dtype, shape, byte size); a lookup is only valid while all of those match, and slots are
+invalidated exactly when one of them changes, counted by reason.
+
+Modes: `cache` (the slot cache), `resident` (every expert in a slot from the start: the upper
+bound) and `staging` (the control: every op copies every expert it uses, no reuse).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..config import CacheConfig
+from ..errors import ExpertCacheError
+from ..telemetry import Telemetry
+from .layout import expert_views
+from .policy import ExpertKey, make_policy
+from .residency import Residency
+from .store import ExpertStore, FileVersion, file_version
+from .transfer import Transfers
+
+
+@dataclass(frozen=True, slots=True)
+class SlotContent:
+    key: ExpertKey
+    version: FileVersion  # of the file the expert was read from
+    dtype: torch.dtype
+    shape: tuple[int, int, int]  # (hidden, expert width, matrices)
+    nbytes: int
+
+
+class ExpertCache:
+    def __init__(self, store: ExpertStore, config: CacheConfig, device: torch.device):
+        self.store, self.config, self.device = store, config, device
+        src = store.source
+        self.hidden, self.inter = src.cfg.hidden_size, src.cfg.moe_intermediate_size
+        self.num_experts, self.moe_layers = src.cfg.num_experts, list(src.cfg.moe_layers)
+        self.dtype, self.stride = store.dtype, store.stride
+        self.expert_bytes = src.numel * self.dtype.itemsize
+        self.mode = config.mode
+        self.telemetry_ = Telemetry(self.expert_bytes)
+        self._pending_invalid: dict[int, set[int]] = {}
+        self._allocate(self._capacity_for(config))
+
+    # ---- sizing and allocation ----
+    @property
+    def total_experts(self) -> int:
+        return self.num_experts * len(self.moe_layers)
+
+    def _capacity_for(self, config: CacheConfig) -> int:
+        slot_bytes = self.stride * self.dtype.itemsize
+        sized = any(v is not None for v in (config.experts, config.mem, config.fraction))
+        if config.mode == "staging" and not sized:
+            return self.num_experts  # room for any one op
+        n = config.slots_for(self.total_experts, slot_bytes)
+        if n < 1:
+            raise ExpertCacheError(f"cache of {config.mem} bytes is too small for one wave: one expert slot "
+                                   f"needs {slot_bytes} bytes")
+        return n
+
+    def _allocate(self, capacity: int) -> None:
+        self.capacity = capacity
+        try:
+            self.pool = torch.zeros(capacity, self.stride, dtype=self.dtype, device=self.device)  # [S, stride]
+        except (RuntimeError, MemoryError) as e:
+            raise ExpertCacheError(f"cannot allocate {capacity} expert slots "
+                                   f"({capacity * self.stride * self.dtype.itemsize / 2**20:.0f} MiB): {e}") from None
+        try:
+            policy = make_policy(self.config.policy, capacity)
+        except ValueError as e:
+            raise ExpertCacheError(str(e)) from None
+        self.residency = Residency(capacity, policy)
+        self.content: list[SlotContent | None] = [None] * capacity
+        self.checksums: list[int | None] = [None] * capacity
+        self.transfers = Transfers(self.device, capacity)
+        if self.mode == "resident":
+            self._fill_all()
+
+    def _fill_all(self) -> None:
+        """Resident mode: every expert in its slot before the first op (counted as load copies)."""
+        for layer in self.moe_layers:
+            plan = self.residency.plan(layer, list(range(self.num_experts)))
+            for wave in plan.waves:
+                self._copy_wave(layer, wave)
+                self.telemetry_.load_copied_experts += len(wave.fills)
+                self.telemetry_.load_copied_bytes += len(wave.fills) * self.expert_bytes
+        self.transfers.synchronize()
+
+    def resize(self, config: CacheConfig) -> None:
+        """Reallocate the pool at a new size; every slot is invalidated (reason `pool`)."""
+        self._invalidate_all("pool")
+        self.config = config
+        self.mode = config.mode
+        self.pool = None
+        self._allocate(self._capacity_for(config))
+
+    # ---- one op ----
+    def fetch(self, layer: int, experts: Sequence[int]) -> Iterator[list]:
+        if self.mode == "staging":
+            self.residency.clear()  # no reuse: the control copies every expert every op
+        plan = self.residency.plan(layer, experts)
+        pending = self._pending_invalid.pop(layer, None)
+        if pending:
+            self.telemetry_.pre_invalid_hit += len(pending.intersection(experts))
+        copied = ranges = 0
+        for wave in plan.waves:
+            if wave.fills:
+                ranges += self._copy_wave(layer, wave)
+                copied += len(wave.fills)
+            self.transfers.before_compute()
+            views = []
+            for e, s in zip(wave.experts, wave.slots):
+                if self.config.verify:
+                    self._verify(layer, e, s)
+                views.append((e, *expert_views(self.pool[s], self.hidden, self.inter)))
+            try:
+                yield views
+            finally:
+                self.transfers.after_compute(wave.slots)
+        self.telemetry_.op(layer, len(experts), plan.loaded_before, len(plan.hits), copied, ranges,
+                           len(plan.evicted), len(plan.waves))
+
+    def _copy_wave(self, layer: int, wave) -> int:
+        """Issue the wave's copies; return how many transfers were issued."""
+        issued = 0
+        for e0, s0, n in wave.copy_runs:
+            if n > 1 and not self.store.contiguous_run(layer, e0, n):
+                pieces = [(e0 + i, s0 + i, 1) for i in range(n)]
+            else:
+                pieces = [(e0, s0, n)]
+            for first, slot, count in pieces:
+                dst = self.pool[slot: slot + count]
+                self.transfers.copy(list(range(slot, slot + count)),
+                                    lambda nb, f=first, d=dst: self.store.copy_run(layer, f, d, nb))
+                issued += 1
+        version = self.store.versions
+        for e, s in wave.fills:
+            path = self.store.file_of(layer, e)
+            self.content[s] = SlotContent(ExpertKey(layer, e), version[path], self.dtype,
+                                          (self.hidden, self.inter, 3), self.expert_bytes)
+            if self.config.verify:
+                self.transfers.synchronize()
+                self.checksums[s] = self._checksum(s)
+        return issued
+
+    # ---- verify mode ----
+    def _checksum(self, slot: int) -> int:
+        data = self.pool[slot]
+        if data.device.type == "cpu":
+            return zlib.crc32(data.view(torch.uint8).numpy())
+        words = data.view(torch.int32).to(torch.int64)
+        weights = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64) % 65521
+        return int((words * weights).sum())
+
+    def _verify(self, layer: int, expert: int, slot: int) -> None:
+        self.transfers.synchronize()
+        if self.checksums[slot] is None or self._checksum(slot) != self.checksums[slot]:
+            raise ExpertCacheError(f"verify: slot {slot} holding layer {layer} expert {expert} does not match "
+                                   "the checksum taken when it was filled (its memory was overwritten)")
+
+    # ---- invalidation ----
+    def source_changed(self) -> bool:
+        for path, version in self.store.versions.items():
+            try:
+                if file_version(path) != version:
+                    return True
+            except FileNotFoundError:
+                return True
+        return False
+
+    def set_store(self, store: ExpertStore) -> dict[str, int]:
+        """Switch to a new slow tier (the checkpoint changed); invalidate exactly the slots whose
+        description no longer matches, counted by reason. Returns the counts of this change."""
+        old = self.store
+        src = store.source
+        if src.cfg.num_experts != self.num_experts or list(src.cfg.moe_layers) != self.moe_layers:
+            reason = "expert_count"
+        elif src.numel != old.source.numel or store.stride != self.stride:
+            reason = "shape"
+        elif src.dtype != old.source.dtype:
+            reason = "dtype"
+        else:
+            reason = "source"
+        old.close()
+        self.store = store
+        if reason != "source":
+            self._invalidate_all(reason)
+            self.num_experts, self.moe_layers = src.cfg.num_experts, list(src.cfg.moe_layers)
+            self.hidden, self.inter = src.cfg.hidden_size, src.cfg.moe_intermediate_size
+            self.stride = store.stride
+            self.expert_bytes = src.numel * self.dtype.itemsize
+            self.telemetry_.expert_bytes = self.expert_bytes
+            self.pool = None
+            self._allocate(self._capacity_for(self.config))
+            return {reason: 1}
+        stale = [c.key for c in self.content
+                 if c is not None and store.versions.get(store.file_of(c.key.layer, c.key.expert)) != c.version]
+        self._invalidate(stale, reason)
+        if self.mode == "resident" and stale:
+            self._fill_all()
+        return {reason: len(stale)}
+
+    def _invalidate(self, keys: list[ExpertKey], reason: str) -> None:
+        if not keys:
+            return
+        slots = {k: self.residency.slot_of(k) for k in keys}
+        dropped = self.residency.invalidate(keys)
+        for key in dropped:
+            self.content[slots[key]] = None
+            self.checksums[slots[key]] = None
+            self._pending_invalid.setdefault(key.layer, set()).add(key.expert)
+        self.telemetry_.invalidations[reason] += len(dropped)
+        self.telemetry_.pre_invalid_loaded += len(dropped)
+
+    def _invalidate_all(self, reason: str) -> None:
+        self._invalidate(self.residency.resident_keys(), reason)
+
+    # ---- reporting ----
+    def telemetry(self) -> dict:
+        out = self.telemetry_.as_dict()
+        out.update(mode=self.mode, policy=self.config.policy, store=self.store.name, capacity=self.capacity,
+                   total_experts=self.total_experts, expert_bytes=self.expert_bytes,
+                   pool_bytes=self.capacity * self.stride * self.dtype.itemsize)
+        return out
