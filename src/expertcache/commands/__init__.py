@@ -1,0 +1,1 @@
+"""Subcommands of the `expertcache` command, one module each with `register(subparsers)`."""

@@ -1,0 +1,145 @@
+"""`expertcache run` (generate, chat) and `expertcache info`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..errors import ExpertCacheError
+from ..sampling import SamplingParams
+from .common import add_cache_flags, add_model_flags, load_model, nonneg_int, peak_rss_bytes, read_text_file
+
+
+def cmd_run(args) -> int:
+    if sum(x is not None and x is not False for x in (args.prompt, args.file, args.chat or None)) != 1:
+        raise ExpertCacheError("give exactly one of -p/--prompt, -f/--file or --chat")
+    prompt = read_text_file(args.file) if args.file else args.prompt
+    SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)  # bad values fail before loading
+    model = load_model(args)
+    gen = dict(max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+               min_p=args.min_p, seed=args.seed, stop=args.stop, ubatch=args.ubatch, ignore_eos=args.ignore_eos)
+    if args.chat:
+        return _chat_loop(model, gen, args)
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    if not args.json:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+    res = model.generate(prompt, on_text=None if args.json else stream, **gen)
+    if args.json:
+        print(json.dumps(_result_json(model, res)))
+    else:
+        sys.stdout.write("\n")
+        print(f"[prompt {res.prompt_tokens} tok, {res.prompt_tps:.1f} tok/s | "
+              f"generated {len(res.token_ids)} tok, {res.gen_tps:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def _result_json(model, res) -> dict:
+    return {"text": res.text, "token_ids": res.token_ids, "prompt_tokens": res.prompt_tokens,
+            "completion_tokens": len(res.token_ids), "finish_reason": res.finish_reason,
+            "timings": {"prompt_seconds": res.prompt_seconds, "gen_seconds": res.gen_seconds,
+                        "prompt_tokens_per_second": res.prompt_tps, "gen_tokens_per_second": res.gen_tps},
+            "peak_rss_bytes": peak_rss_bytes(), "telemetry": model.telemetry()}
+
+
+def _chat_loop(model, gen, args) -> int:
+    messages = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    session = model.new_session()
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = model.tokenizer.encode_chat(messages)
+
+        def stream(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        res = model.generate(ids, session=session, on_text=stream, **gen)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": res.text})
+    return 0
+
+
+def cmd_info(args) -> int:
+    from ..checkpoint.loader import ExpertSource, expected_shapes, open_checkpoint
+
+    cfg, arch, ckpt, layout = open_checkpoint(args.model or _default_model())
+    shapes = expected_shapes(cfg, layout)
+    total = sum(_numel(s) for s in shapes.values())
+    expert_params = cfg.expert_numel * cfg.num_experts * len(cfg.moe_layers)
+    active = total - expert_params + cfg.expert_numel * cfg.top_k * len(cfg.moe_layers)
+    src = ExpertSource(ckpt, cfg, layout)
+    info = {
+        "path": str(ckpt.dir), "architecture": cfg.model_type, "layout": layout.name,
+        "layers": cfg.num_layers, "moe_layers": len(cfg.moe_layers), "hidden_size": cfg.hidden_size,
+        "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size, "context_length": cfg.max_position,
+        "experts_per_layer": cfg.num_experts, "top_k": cfg.top_k,
+        "expert_intermediate_size": cfg.moe_intermediate_size,
+        "params_total": total, "params_active_per_token": active,
+        "checkpoint_dtype": str(src.dtype).removeprefix("torch."), "bytes_per_expert": src.expert_nbytes,
+        "experts_total": cfg.num_experts * len(cfg.moe_layers),
+        "expert_bytes_total": src.expert_nbytes * cfg.num_experts * len(cfg.moe_layers),
+    }
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    width = max(len(k) for k in info)
+    for k, v in info.items():
+        if isinstance(v, int) and k.startswith(("params", "bytes", "expert_bytes")):
+            v = f"{v:,}"
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _default_model() -> str:
+    from ..engine import default_model_path
+
+    return str(default_model_path())
+
+
+def register(sub) -> None:
+    r = sub.add_parser("run", help="generate text from a prompt, a file, or a chat on stdin")
+    add_model_flags(r)
+    add_cache_flags(r)
+    r.add_argument("-p", "--prompt")
+    r.add_argument("-f", "--file", help="read the prompt from a UTF-8 file")
+    r.add_argument("--chat", action="store_true", help="chat: one user message per line on stdin")
+    r.add_argument("--system", help="system message for --chat")
+    r.add_argument("-n", "--n-predict", type=nonneg_int, default=128, help="tokens to generate (default: 128)")
+    r.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    r.add_argument("--top-k", type=nonneg_int, default=0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--min-p", type=float, default=0.0)
+    r.add_argument("--seed", type=int)
+    r.add_argument("--stop", action="append", help="stop string (repeatable)")
+    r.add_argument("--ignore-eos", action="store_true")
+    r.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    r.set_defaults(func=cmd_run)
+
+    i = sub.add_parser("info", help="architecture, parameter counts and expert sizes of a checkpoint")
+    i.add_argument("-m", "--model")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
