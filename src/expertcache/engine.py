@@ -87,7 +87,8 @@ class Model:
         """Reallocate the expert cache at another size or mode; its slots are invalidated (reason `pool`)."""
         self.experts.resize(cache)
 
-    def _begin_call(self) -> None:
+    def begin_call(self) -> None:
+        """Start a top-level call (a forward, a generation, a perplexity run)."""
         # The checkpoint is checked at the start of each top-level call: if it changed on disk,
         # the weights are read again and exactly the stale slots are invalidated.
         if self.experts.source_changed():
@@ -111,7 +112,7 @@ class Model:
         """One fresh forward over token_ids; logits [T, V]; no state is kept."""
         ids = self._as_tensor(token_ids)
         self._check_fits(len(ids))
-        self._begin_call()
+        self.begin_call()
         return self.net.forward(ids, self.net.new_kv(len(ids)))
 
     def prefill(self, session: Session, token_ids: list[int], ubatch: int = 512,
@@ -161,7 +162,7 @@ class Model:
             raise ExpertCacheError("the prompt is empty")
         self._check_fits(len(ids))
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed))
-        self._begin_call()
+        self.begin_call()
         if session is None:
             session = self.new_session()
         cached = _common_prefix(session.tokens, ids)
