@@ -10,7 +10,7 @@ from .commands.common import Parser
 from .errors import ExpertCacheError
 
 # Each module has `register(subparsers)`.
-COMMANDS = ("run",)
+COMMANDS = ("run", "pack", "synth", "perplexity")
 
 
 def build_parser() -> Parser:

@@ -1,0 +1,60 @@
+"""Packing: write an expert-major checkpoint in which each layer's experts are stored in
+id order, each expert (gate, up, down) one contiguous range, so a run of experts is one read.
+
+The output is still safetensors, and every expertcache command loads it: per MoE layer the
+router is `model.layers.{i}.mlp.gate.weight` and the experts one tensor
+`model.layers.{i}.mlp.experts.packed` [E, 3 * I * D]. Everything else keeps its name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .loader import ExpertSource, expected_shapes, open_checkpoint
+from .writer import PlannedTensor, atomic_output_dir, copy_side_files, write_safetensors
+from ..config import parse_dtype
+from ..models.base import PACKED_LAYOUT
+
+
+def pack(model_dir: str | Path, out: str | Path, dtype=None, force: bool = False, progress: bool = True) -> Path:
+    cfg, _, ckpt, layout = open_checkpoint(model_dir)
+    source = ExpertSource(ckpt, cfg, layout)
+    out_dtype = parse_dtype(dtype) or source.dtype
+    planned: list[PlannedTensor] = []
+    src_names = expected_shapes(cfg, layout)
+    expert_parts = {getattr(layout, f) for f in ("gate", "up", "down", "gate_up", "packed") if getattr(layout, f)}
+    for name, shape in src_names.items():
+        suffix = name.split(".", 3)[3] if name.startswith("model.layers.") else None
+        if suffix is not None and any(_matches(suffix, part) for part in expert_parts):
+            continue  # experts are written packed below
+        new_name = name
+        if suffix == layout.router:
+            new_name = name[: -len(suffix)] + PACKED_LAYOUT.router
+        planned.append(PlannedTensor(new_name, out_dtype, shape,
+                                     lambda n=name: iter([ckpt.read(n).to(out_dtype)])))
+    for layer in cfg.moe_layers:
+        def experts(layer=layer):
+            for e in range(cfg.num_experts):
+                yield source.read(layer, e).to(out_dtype)
+        planned.append(PlannedTensor(f"model.layers.{layer}.{PACKED_LAYOUT.packed}", out_dtype,
+                                     (cfg.num_experts, cfg.expert_numel), experts))
+    total = sum(t.nbytes for t in planned)
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    raw.pop("torch_dtype", None)
+    raw["dtype"] = str(out_dtype).removeprefix("torch.")
+    with atomic_output_dir(Path(out), force) as tmp:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="packing", disable=not progress) as bar:
+            write_safetensors(tmp / "model.safetensors", planned, bar.update)
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2))
+        copy_side_files(Path(model_dir), tmp)
+    return Path(out)
+
+
+def _matches(suffix: str, pattern: str) -> bool:
+    if "{e}" not in pattern:
+        return suffix == pattern
+    head, tail = pattern.split("{e}")
+    return suffix.startswith(head) and suffix.endswith(tail) and suffix[len(head): len(suffix) - len(tail)].isdigit()

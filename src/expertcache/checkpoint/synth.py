@@ -1,0 +1,101 @@
+"""Random-weight checkpoints with a real model's layer shapes, for benchmarks where copy costs
+must be real. Written as an ordinary Hugging Face checkpoint (per-expert keys, as
+`save_pretrained` writes them), with a byte-level tokenizer so every command can run on it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..config import ModelConfig, parse_dtype
+from ..errors import ExpertCacheError
+from ..models.qwen3_moe import Qwen3Moe
+from .loader import expected_shapes
+from .writer import PlannedTensor, atomic_output_dir, write_safetensors
+
+PRESETS = {
+    # Qwen3-30B-A3B: 48 layers of 128 experts of 3 x 2048 x 768, top-8.
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          intermediate_size=6144, num_hidden_layers=48, vocab_size=151936,
+                          max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, norm_topk_prob=True),
+    # Qwen3-235B-A22B's expert shape at a smaller width is not useful here; a small preset for tests.
+    "tiny": dict(model_type="qwen3_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, intermediate_size=96,
+                 num_hidden_layers=2, vocab_size=512, max_position_embeddings=4096, rope_theta=1e6,
+                 rms_norm_eps=1e-6, norm_topk_prob=True),
+}
+
+
+def synth_config(like: str, layers: int | None = None, experts: int | None = None, top_k: int | None = None,
+                 vocab: int | None = None, dtype: str = "bfloat16") -> dict:
+    if like not in PRESETS:
+        raise ExpertCacheError(f"unknown --like {like!r}: expected one of {', '.join(PRESETS)}")
+    raw = dict(PRESETS[like])
+    if layers is not None:
+        raw["num_hidden_layers"] = layers
+    if experts is not None:
+        raw["num_experts"] = experts
+    if top_k is not None:
+        raw["num_experts_per_tok"] = top_k
+    if vocab is not None:
+        if vocab < 260:
+            raise ExpertCacheError(f"vocab {vocab} must be at least 260 (256 bytes and the special tokens)")
+        raw["vocab_size"] = vocab
+    raw.update(architectures=["Qwen3MoeForCausalLM"], hidden_act="silu", tie_word_embeddings=False,
+               attention_bias=False, mlp_only_layers=[], decoder_sparse_step=1, eos_token_id=257,
+               bos_token_id=None, dtype=str(parse_dtype(dtype, "dtype")).removeprefix("torch."))
+    return raw
+
+
+def synth(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None = 2, experts: int | None = None,
+          top_k: int | None = None, vocab: int | None = 4096, dtype: str = "bfloat16", seed: int = 0,
+          force: bool = False, progress: bool = True) -> Path:
+    raw = synth_config(like, layers, experts, top_k, vocab, dtype)
+    cfg = ModelConfig.from_hf(raw)
+    torch_dtype = parse_dtype(dtype)
+    layout = Qwen3Moe.expert_layouts[0]
+    gen = torch.Generator().manual_seed(seed)
+
+    def random(shape, name):
+        def produce():
+            if name.endswith("norm.weight"):
+                yield torch.ones(shape, dtype=torch_dtype)
+                return
+            # Scaled so that activations keep unit size through the layers.
+            fan_in = shape[-1]
+            yield (torch.randn(shape, generator=gen) * fan_in ** -0.5).to(torch_dtype)
+        return produce
+
+    planned = [PlannedTensor(n, torch_dtype, s, random(s, n)) for n, s in expected_shapes(cfg, layout).items()]
+    total = sum(t.nbytes for t in planned)
+    with atomic_output_dir(Path(out), force) as tmp:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=not progress) as bar:
+            write_safetensors(tmp / "model.safetensors", planned, bar.update)
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2))
+        write_byte_tokenizer(tmp, raw["vocab_size"])
+    return Path(out)
+
+
+def write_byte_tokenizer(directory: Path, vocab: int) -> None:
+    """A byte-level tokenizer: 256 byte tokens and the special tokens, no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    table = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    specials = ["<|im_start|>", "<|endoftext|>", "<|im_end|>"]
+    for s in specials:
+        table[s] = len(table)
+    tok = Tokenizer(models.BPE(vocab=table, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    tok.save(str(directory / "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "bos_token": None, "chat_template": template}))

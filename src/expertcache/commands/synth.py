@@ -1,0 +1,27 @@
+"""`expertcache synth`: a random-weight checkpoint with a real model's layer shapes."""
+
+from __future__ import annotations
+
+from ..checkpoint.synth import PRESETS, synth
+from .common import positive_int
+
+
+def cmd_synth(args) -> int:
+    out = synth(args.output, args.like, args.layers, args.experts, args.top_k, args.vocab, args.dtype,
+                args.seed, args.force)
+    print(f"wrote {out}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("synth", help="write a random-weight checkpoint with a real model's layer shapes")
+    p.add_argument("--like", default="qwen3-30b-a3b", help=f"shapes to copy: {', '.join(PRESETS)}")
+    p.add_argument("--layers", type=positive_int, default=2, help="decoder layers (default: 2)")
+    p.add_argument("--experts", type=positive_int, help="experts per layer (default: the model's)")
+    p.add_argument("--top-k", type=positive_int, help="experts per token (default: the model's)")
+    p.add_argument("--vocab", type=positive_int, default=4096, help="vocabulary size (default: 4096)")
+    p.add_argument("--dtype", default="bfloat16", help="weight dtype (default: bfloat16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(func=cmd_synth)

@@ -1,0 +1,264 @@
+"""The resident-expert cache: results never depend on it, compute reads the slots, invalidation is
+exact, telemetry adds up, bad sizes and names are clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import expertcache
+from expertcache import CacheConfig, ExpertCacheError
+from expertcache.checkpoint.pack import pack
+from expertcache.cli import main
+from expertcache.tiers.policy import POLICIES
+from conftest import VOCAB
+
+IDS = torch.randint(4, VOCAB, (48,), generator=torch.Generator().manual_seed(3))
+EXPERTS, LAYERS = 16, 3
+TOTAL = EXPERTS * LAYERS
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """An unpacked (per-expert) and a packed copy of one tiny Qwen3-MoE with 16 experts, top-4."""
+    from conftest import build_reference, save_checkpoint, tiny_config
+
+    root = tmp_path_factory.mktemp("cache")
+    ref = build_reference(tiny_config("qwen3_moe", experts=EXPERTS, top_k=4, layers=LAYERS))
+    plain = save_checkpoint(ref, root / "plain")
+    packed = pack(plain, root / "packed", progress=False)
+    return {"plain": plain, "packed": packed}
+
+
+@pytest.fixture(scope="module")
+def reference_logits(checkpoints):
+    return expertcache.load(checkpoints["plain"], cache=CacheConfig(mode="resident")).logits(IDS)
+
+
+SIZES = {"smallest": 1, "10%": TOTAL // 10, "25%": TOTAL // 4, "50%": TOTAL // 2, "100%": TOTAL}
+
+
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+@pytest.mark.parametrize("store", ["ram", "mmap", "disk"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_logits_bitwise_identical_across_sizes(checkpoints, reference_logits, layout, store, policy):
+    for size in SIZES.values():
+        model = expertcache.load(checkpoints[layout], cache=CacheConfig(mode="cache", experts=size,
+                                                                         policy=policy, store=store))
+        # Twice: the second pass runs with whatever the first left resident.
+        for _ in range(2):
+            assert torch.equal(model.logits(IDS), reference_logits), f"cache of {size} slots"
+
+
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+@pytest.mark.parametrize("store", ["ram", "mmap", "disk"])
+def test_staging_and_resident_bitwise_identical(checkpoints, reference_logits, layout, store):
+    for cache in (CacheConfig(mode="staging", store=store), CacheConfig(mode="staging", experts=3, store=store),
+                  CacheConfig(mode="resident", store=store)):
+        assert torch.equal(expertcache.load(checkpoints[layout], cache=cache).logits(IDS), reference_logits)
+
+
+def test_greedy_generation_identical_in_every_mode(checkpoints):
+    prompt = IDS[:10].tolist()
+    expected = expertcache.load(checkpoints["plain"]).generate(prompt, max_tokens=24, ignore_eos=True).token_ids
+    for cache in (CacheConfig(mode="staging"), CacheConfig(mode="cache", experts=1),
+                  CacheConfig(mode="cache", fraction=0.25, policy="s3fifo", store="disk"),
+                  CacheConfig(mode="cache", fraction=0.5, policy="lfu", store="mmap")):
+        for layout in ("plain", "packed"):
+            model = expertcache.load(checkpoints[layout], cache=cache)
+            assert model.generate(prompt, max_tokens=24, ignore_eos=True).token_ids == expected
+
+
+def _used_slot(model) -> tuple[int, int, int]:
+    """(layer, expert, slot) of an expert that the forward over IDS uses and that is resident."""
+    seen = []
+    model.net.routing_hook = lambda layer, r: seen.append((layer, sorted(set(r.ids.flatten().tolist()))))
+    model.logits(IDS)
+    model.net.routing_hook = None
+    res = model.experts.residency
+    for layer, experts in seen:
+        for e in experts:
+            key = expertcache.tiers.policy.ExpertKey(layer, e)
+            if res.is_resident(key):
+                return layer, e, res.slot_of(key)
+    raise AssertionError("no used expert is resident")
+
+
+@pytest.mark.parametrize("mode", ["cache", "resident"])
+def test_compute_reads_the_slots(checkpoints, mode):
+    model = expertcache.load(checkpoints["plain"], cache=CacheConfig(mode=mode))
+    before = model.logits(IDS)
+    _, _, slot = _used_slot(model)
+    model.experts.pool[slot].mul_(0.5)  # behind the cache's back
+    assert not torch.equal(model.logits(IDS), before)
+
+
+def test_verify_mode_names_layer_expert_and_slot(checkpoints):
+    model = expertcache.load(checkpoints["plain"], cache=CacheConfig(mode="cache", verify=True))
+    layer, expert, slot = _used_slot(model)
+    model.experts.pool[slot, 5] += 1.0
+    with pytest.raises(ExpertCacheError, match=rf"slot {slot} holding layer {layer} expert {expert}"):
+        model.logits(IDS)
+
+
+def _scale_experts(path, factor: float) -> None:
+    """Rewrite model.safetensors with expert weights scaled: temp file, then rename over it."""
+    tensors = load_file(path / "model.safetensors")
+    for name in tensors:
+        if ".experts." in name:
+            tensors[name] = tensors[name] * factor
+    tmp = path / "model.safetensors.tmp"
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, path / "model.safetensors")
+
+
+@pytest.mark.parametrize("store", ["ram", "mmap", "disk"])
+def test_replaced_checkpoint_gives_new_logits(checkpoints, tmp_path, store):
+    d = shutil.copytree(checkpoints["packed"], tmp_path / "m")
+    model = expertcache.load(d, cache=CacheConfig(mode="cache", fraction=0.5, store=store))
+    old = model.logits(IDS)
+    resident = len(model.experts.residency)
+    assert resident > 0
+    _scale_experts(d, 1.5)
+    new = model.logits(IDS)
+    fresh = expertcache.load(d, cache=CacheConfig(mode="resident")).logits(IDS)
+    assert not torch.equal(new, old)
+    assert torch.equal(new, fresh)
+    tel = model.telemetry()
+    assert tel["invalidations"]["source"] == resident
+    assert tel["pre_invalid_loaded"] == resident and tel["pre_invalid_hit"] > 0
+    assert sum(v for k, v in tel["invalidations"].items() if k != "source") == 0
+    # An unchanged source invalidates nothing between calls.
+    model.logits(IDS)
+    assert model.telemetry()["invalidations"]["source"] == resident
+
+
+def test_resize_while_loaded(checkpoints, reference_logits):
+    model = expertcache.load(checkpoints["plain"], cache=CacheConfig(mode="cache", experts=TOTAL // 2))
+    model.logits(IDS)
+    before = model.telemetry()
+    resident = len(model.experts.residency)
+    model.resize_cache(CacheConfig(mode="cache", experts=7))
+    assert model.experts.capacity == 7 and model.experts.pool.shape[0] == 7
+    assert torch.equal(model.logits(IDS), reference_logits)
+    after = model.telemetry()
+    assert after["invalidations"]["pool"] == resident
+    assert after["total"]["ops_seen"] == 2 * before["total"]["ops_seen"]  # counters survive a resize
+
+
+def _check_counters(t: dict, expert_bytes: int) -> None:
+    assert t["resident_hits"] + t["resident_misses"] == t["used_experts_unique"]
+    assert t["copied_bytes"] == t["copied_experts"] * expert_bytes
+    assert t["skipped_experts"] == t["resident_hits"]
+    assert t["skipped_bytes"] == t["resident_hits"] * expert_bytes
+    assert t["copied_experts"] == t["resident_misses"]
+
+
+def test_telemetry_adds_up(checkpoints):
+    ops = []
+    model = expertcache.load(checkpoints["packed"], cache=CacheConfig(mode="cache", fraction=0.5))
+    model.net.routing_hook = lambda layer, r: ops.append((layer, len(set(r.ids.flatten().tolist()))))
+    model.generate(IDS[:12].tolist(), max_tokens=8, ignore_eos=True)
+    tel = model.telemetry()
+    t = tel["total"]
+    _check_counters(t, model.experts.expert_bytes)
+    assert t["ops_seen"] == len(ops)
+    assert t["used_experts_unique"] == sum(n for _, n in ops)
+    for layer, c in tel["layers"].items():
+        _check_counters(c, model.experts.expert_bytes)
+        assert c["used_experts_unique"] == sum(n for l, n in ops if l == int(layer))
+    assert t["resident_hits"] > 0 and t["evictions"] > 0
+
+
+def test_staging_copies_everything_and_resident_nothing(checkpoints):
+    staging = expertcache.load(checkpoints["packed"], cache=CacheConfig(mode="staging"))
+    staging.logits(IDS)
+    staging.logits(IDS)
+    t = staging.telemetry()["total"]
+    assert t["resident_hits"] == 0 and t["copied_experts"] == t["used_experts_unique"] > 0
+    # A run of consecutive experts into consecutive staging slots is one copy on a packed checkpoint.
+    assert t["copy_ranges"] < t["copied_experts"]
+
+    resident = expertcache.load(checkpoints["packed"], cache=CacheConfig(mode="resident"))
+    tel = resident.telemetry()
+    assert tel["load_copied_experts"] == TOTAL
+    resident.logits(IDS)
+    t = resident.telemetry()["total"]
+    assert t["copied_experts"] == 0 and t["copy_ranges"] == 0
+    assert t["resident_hits"] == t["used_experts_unique"] and t["empty_copy_ops"] == t["ops_seen"]
+
+
+def test_full_cache_second_pass_copies_nothing(checkpoints):
+    model = expertcache.load(checkpoints["plain"], cache=CacheConfig(mode="cache"))
+    model.logits(IDS)
+    first = model.telemetry()["total"]
+    model.logits(IDS)
+    second = model.telemetry()["total"]
+    assert second["copied_experts"] == first["copied_experts"]
+    assert second["empty_copy_ops"] - first["empty_copy_ops"] == second["ops_seen"] - first["ops_seen"]
+
+
+def test_trace_line_on_stderr(checkpoints, monkeypatch, capsys):
+    monkeypatch.setenv("EXPERTCACHE_CACHE_TRACE", "1")
+    monkeypatch.setenv("EXPERTCACHE_CACHE_TRACE_EVERY", "2")
+    model = expertcache.load(checkpoints["plain"], cache=CacheConfig(mode="cache", experts=10))
+    capsys.readouterr()
+    model.logits(IDS)
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("expertcache cache:")]
+    assert len(lines) == LAYERS // 2 and "hit_rate=" in lines[0]
+
+
+def test_run_json_reports_hit_rate(checkpoints, capsys):
+    assert main(["run", "-m", str(checkpoints["plain"]), "-p", "w5 w6 w7", "-n", "12", "--ignore-eos",
+                 "--cache-fraction", "0.25", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    t = out["telemetry"]["total"]
+    assert out["telemetry"]["mode"] == "cache" and out["telemetry"]["capacity"] == TOTAL // 4
+    assert 0 < t["hit_rate"] < 1 and t["hit_rate"] == t["resident_hits"] / t["used_experts_unique"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--cache-mem", "1KB"], "too small for one wave"),
+    (["--cache-mem", "lots"], "'lots'"),
+    (["--cache-policy", "mru"], "'mru'"),
+    (["--store", "tape"], "'tape'"),
+    (["--cache-fraction", "1.5"], "1.5"),
+])
+def test_bad_cache_flags(checkpoints, capsys, argv, needle):
+    capsys.readouterr()
+    try:
+        code = main(["run", "-m", str(checkpoints["plain"]), "-p", "w1", *argv])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_interrupted_pack_leaves_nothing(checkpoints, tmp_path, monkeypatch):
+    import expertcache.checkpoint.pack as packmod
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(packmod, "write_safetensors", boom)
+    with pytest.raises(KeyboardInterrupt):
+        packmod.pack(checkpoints["plain"], tmp_path / "out", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_packed_checkpoint_layout(checkpoints):
+    from expertcache.checkpoint.safetensors_io import Checkpoint
+
+    ck = Checkpoint(checkpoints["packed"])
+    info = ck.info("model.layers.0.mlp.experts.packed")
+    assert info.shape == (EXPERTS, 3 * 64 * 32)
+    plain = Checkpoint(checkpoints["plain"])
+    # Expert 5 of layer 1: gate, up, down back to back.
+    row = ck.read_rows("model.layers.1.mlp.experts.packed", 5)
+    parts = [plain.read(f"model.layers.1.mlp.experts.5.{p}_proj.weight").reshape(-1) for p in ("gate", "up", "down")]
+    assert torch.equal(row, torch.cat(parts))
