@@ -1,0 +1,175 @@
+"""`expertcache perplexity`: llama-perplexity's default measurement over a text file, and with
+`--compare` the same text in several cache modes, checked chunk by chunk for bitwise equality."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+
+from ..config import CACHE_MODES
+from ..errors import ExpertCacheError
+from ..perplexity import PerplexityResult, first_difference, num_chunks, perplexity, perplexity_bos_id
+from .common import add_cache_flags, add_model_flags, cache_config, peak_rss_bytes, positive_int, read_text_file
+
+
+def cmd_perplexity(args) -> int:
+    modes = _parse_modes(args.compare) if args.compare else None
+    if modes and args.cache_mode is not None:
+        raise ExpertCacheError("give --cache-mode or --compare, not both")
+    text = read_text_file(args.file)
+    if not text:
+        raise ExpertCacheError(f"{args.file}: the file is empty")
+    base = cache_config(args)
+    runs: dict[str, tuple[PerplexityResult, dict]] = {}
+    ids = bos_id = None
+    for mode in modes or [base.mode]:
+        model = _load(args, dataclasses.replace(base, mode=mode))
+        if ids is None:  # tokenize once, with the first model's tokenizer (all modes share it)
+            ids, bos_id = _tokenize(model, text, args)
+            args.model_path = str(model.path)
+            if args.ctx_size > model.cfg.max_position:
+                print(f"expertcache: warning: the model was trained on only {model.cfg.max_position} context "
+                      f"tokens ({args.ctx_size} specified)", file=sys.stderr)
+        runs[mode] = (_run(model, ids, bos_id, args, mode if modes else None), model.telemetry())
+        del model  # one model in memory at a time
+
+    if modes is None:
+        (mode, (res, tel)), = runs.items()
+        if args.json:
+            print(json.dumps({**_header(args, res), **_run_json(res, tel)}))
+        else:
+            _print_run(res)
+            _print_summary(mode, res, tel)
+        return 0
+
+    diff = first_difference({m: r for m, (r, _) in runs.items()})
+    if args.json:
+        first = next(iter(runs.values()))[0]
+        out = {**_header(args, first), "modes": {m: _run_json(r, t) for m, (r, t) in runs.items()},
+               "bitwise_equal": diff is None, "first_difference": None}
+        if diff is not None:
+            out["first_difference"] = {"chunk": diff + 1, **_chunk_values(runs, diff)}
+        print(json.dumps(out))
+    else:
+        for mode, (res, _) in runs.items():
+            print(f"{mode}:")
+            _print_run(res)
+        _print_table(runs)
+        n = len(next(iter(runs.values()))[0].chunks)
+        if diff is None:
+            print(f"bitwise equal: all {n} chunks in {', '.join(runs)}")
+        else:
+            vals = _chunk_values(runs, diff)["ppl"]
+            print(f"DIFFERENT: chunk {diff + 1} differs: " + ", ".join(f"{m} {v!r}" for m, v in vals.items()))
+    return 0 if diff is None else 1
+
+
+def _parse_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in CACHE_MODES]
+    if bad:
+        raise ExpertCacheError(f"--compare: unknown cache mode {bad[0]!r}: expected a comma-separated list of "
+                               f"{', '.join(CACHE_MODES)}")
+    if len(modes) < 2 or len(set(modes)) != len(modes):
+        raise ExpertCacheError(f"--compare {text!r}: give at least two different cache modes, e.g. resident,cache")
+    return modes
+
+
+def _load(args, cache):
+    from ..engine import load
+
+    return load(args.model, device=args.device, dtype=args.dtype, cache=cache, ctx_size=args.ctx_size,
+                threads=args.threads)
+
+
+def _tokenize(model, text: str, args) -> tuple[list[int], int | None]:
+    if model.tokenizer is None:
+        raise ExpertCacheError(f"{model.path}: no tokenizer.json; perplexity of a text needs the model's tokenizer")
+    ids = model.tokenizer.encode(text, add_special_tokens=True)
+    try:
+        num_chunks(len(ids), args.ctx_size)
+    except ExpertCacheError as e:
+        raise ExpertCacheError(f"{args.file}: {e}") from None
+    return ids, perplexity_bos_id(model.tokenizer)
+
+
+def _run(model, ids, bos_id, args, label: str | None) -> PerplexityResult:
+    from tqdm import tqdm
+
+    n = num_chunks(len(ids), args.ctx_size, args.chunks)
+    desc = f"perplexity [{label}]" if label else "perplexity"
+    with tqdm(total=n, desc=desc, unit="chunk", file=sys.stderr, leave=False, dynamic_ncols=True) as bar:
+        state = {"nll": 0.0, "count": 0}
+
+        def progress(chunk) -> None:
+            state["nll"] += chunk.nll
+            state["count"] += chunk.count
+            bar.set_postfix_str(f"ppl {math.exp(state['nll'] / state['count']):.4f}", refresh=False)
+            bar.update(1)
+
+        return perplexity(model, ids, args.ctx_size, args.ubatch, args.chunks, bos_id, on_chunk=progress)
+
+
+def _header(args, res: PerplexityResult) -> dict:
+    return {"model": args.model_path, "file": args.file, "n_ctx": res.n_ctx, "ubatch": args.ubatch,
+            "n_tokens": res.n_tokens, "chunks": len(res.chunks), "scored_tokens": res.count, "bos_id": res.bos_id}
+
+
+def _run_json(res: PerplexityResult, telemetry: dict) -> dict:
+    secs = res.seconds
+    return {"ppl_cumulative": res.cumulative(), "chunk_ppl": [c.ppl for c in res.chunks],
+            "chunk_nll": [c.nll for c in res.chunks], "chunk_tokens": [c.count for c in res.chunks],
+            "ppl": res.ppl, "ppl_uncertainty": res.uncertainty, "seconds": secs,
+            "tokens_per_second": len(res.chunks) * res.n_ctx / secs if secs > 0 else 0.0,
+            "peak_rss_bytes": peak_rss_bytes(), "telemetry": telemetry}
+
+
+def _chunk_values(runs, i: int) -> dict:
+    return {"ppl": {m: r.chunks[i].ppl if i < len(r.chunks) else None for m, (r, _) in runs.items()},
+            "nll_hex": {m: r.chunks[i].nll.hex() if i < len(r.chunks) else None for m, (r, _) in runs.items()}}
+
+
+def _print_run(res: PerplexityResult) -> None:
+    # llama-perplexity's format: running values, then the final estimate with its uncertainty.
+    print("".join(f"[{i + 1}]{v:.4f}," for i, v in enumerate(res.cumulative())))
+    unc = res.uncertainty
+    if unc is None:
+        print(f"Final estimate: PPL = {res.ppl:.4f}")
+        print("expertcache: warning: the per-token NLL has no positive variance; no uncertainty", file=sys.stderr)
+    else:
+        print(f"Final estimate: PPL = {res.ppl:.4f} +/- {unc:.5f}")
+
+
+def _print_summary(mode: str, res: PerplexityResult, tel: dict) -> None:
+    t = tel.get("total", {})
+    tps = len(res.chunks) * res.n_ctx / res.seconds if res.seconds > 0 else 0.0
+    print(f"[{len(res.chunks)} chunks x {res.n_ctx} tokens, {res.count} scored, {tps:.1f} tok/s | {mode}: "
+          f"hit rate {t.get('hit_rate', 0.0):.3f}, copied {t.get('copied_bytes', 0) / 1e6:.1f} MB]", file=sys.stderr)
+
+
+def _print_table(runs) -> None:
+    print(f"{'mode':<9} {'PPL':>10} {'+/-':>9} {'tok/s':>8} {'hit rate':>8} {'copied MB':>10} {'capacity':>8}")
+    for mode, (res, tel) in runs.items():
+        t = tel.get("total", {})
+        tps = len(res.chunks) * res.n_ctx / res.seconds if res.seconds > 0 else 0.0
+        unc = res.uncertainty
+        print(f"{mode:<9} {res.ppl:>10.4f} {unc if unc is not None else float('nan'):>9.5f} {tps:>8.1f} "
+              f"{t.get('hit_rate', 0.0):>8.3f} {t.get('copied_bytes', 0) / 1e6:>10.1f} "
+              f"{tel.get('capacity', 0):>4}/{tel.get('total_experts', 0)}")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("perplexity", help="perplexity of a text file, computed as llama-perplexity does")
+    add_model_flags(p, ctx=False)
+    p.add_argument("-c", "--ctx-size", type=positive_int, default=512,
+                   help="tokens per chunk, n_ctx (default: 512)")
+    add_cache_flags(p)
+    p.add_argument("-f", "--file", required=True, help="UTF-8 text file to evaluate")
+    p.add_argument("--chunks", type=positive_int, help="evaluate at most N chunks (default: all)")
+    p.add_argument("--compare", metavar="MODES",
+                   help="run in each cache mode (comma-separated: resident,staging,cache) and check that every "
+                        "chunk is bitwise equal; exit 1 if not")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_perplexity)
