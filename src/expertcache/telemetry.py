@@ -27,6 +27,7 @@ class Telemetry:
         self.pre_invalid_hit = 0
         self.load_copied_experts = 0
         self.load_copied_bytes = 0
+        self.copy_seconds = 0.0  # wall time spent issuing copies (on a CPU: doing them)
         self.trace = os.environ.get("EXPERTCACHE_CACHE_TRACE") == "1"
         self.trace_every = max(1, int(os.environ.get("EXPERTCACHE_CACHE_TRACE_EVERY", "100") or 100))
         self._ops = 0
@@ -79,4 +80,5 @@ class Telemetry:
             "pre_invalid_hit": self.pre_invalid_hit,
             "load_copied_experts": self.load_copied_experts,
             "load_copied_bytes": self.load_copied_bytes,
+            "copy_seconds": self.copy_seconds,
         }

@@ -13,6 +13,7 @@ bound) and `staging` (the control: every op copies every expert it uses, no reus
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -132,6 +133,7 @@ class ExpertCache:
     def _copy_wave(self, layer: int, wave) -> int:
         """Issue the wave's copies; return how many transfers were issued."""
         issued = 0
+        t0 = time.perf_counter()
         for e0, s0, n in wave.copy_runs:
             if n > 1 and not self.store.contiguous_run(layer, e0, n):
                 pieces = [(e0 + i, s0 + i, 1) for i in range(n)]
@@ -142,6 +144,7 @@ class ExpertCache:
                 self.transfers.copy(list(range(slot, slot + count)),
                                     lambda nb, f=first, d=dst: self.store.copy_run(layer, f, d, nb))
                 issued += 1
+        self.telemetry_.copy_seconds += time.perf_counter() - t0
         version = self.store.versions
         for e, s in wave.fills:
             path = self.store.file_of(layer, e)

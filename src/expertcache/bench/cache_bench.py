@@ -1,0 +1,168 @@
+"""`expertcache bench cache`: decode and prefill in resident, staging and cache modes at several
+capacities with each slow tier, measuring tok/s, hit rate, bytes copied per token, achieved copy
+bandwidth and peak resident memory.
+
+Each configuration runs in its own process, so that peak memory and the page cache of one do not
+leak into the next. Measure on a checkpoint well above the last-level cache (`expertcache synth`),
+or copy bandwidth is cache bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+DEFAULT_FRACTIONS = (0.25, 0.5, 0.75)
+
+
+def run_one(spec: dict) -> dict:
+    """One configuration, in this process: load, warm up, prefill, decode; return the figures."""
+    import expertcache
+    from expertcache import CacheConfig
+
+    torch.set_num_threads(spec["threads"])
+    cache = CacheConfig(mode=spec["mode"], fraction=spec.get("fraction"), store=spec["store"],
+                        policy=spec.get("policy") or CacheConfig().policy)
+    t0 = time.perf_counter()
+    model = expertcache.load(spec["model"], dtype=spec.get("dtype"), cache=cache,
+                             ctx_size=spec["prefill"] + spec["decode"] + 8)
+    load_s = time.perf_counter() - t0
+    replay = None
+    if spec.get("route_trace"):
+        from .trace import RoutingReplay, load_trace
+
+        replay = RoutingReplay(load_trace(spec["route_trace"]), model.cfg)
+        model.net.routing_override = replay
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.cfg.vocab_size, (spec["prefill"],), generator=gen).tolist()
+
+    def phase(fn):
+        before = model.telemetry()
+        t = time.perf_counter()
+        n = fn()
+        dt = time.perf_counter() - t
+        after = model.telemetry()
+        tot_b, tot_a = before["total"], after["total"]
+        d = {k: tot_a[k] - tot_b[k] for k in ("used_experts_unique", "resident_hits", "copied_experts",
+                                               "copied_bytes", "copy_ranges")}
+        copy_s = after["copy_seconds"] - before["copy_seconds"]
+        return {"tokens": n, "seconds": dt, "tok_s": n / dt,
+                "hit_rate": d["resident_hits"] / d["used_experts_unique"] if d["used_experts_unique"] else 0.0,
+                "copied_bytes_per_token": d["copied_bytes"] / n, "copy_ranges": d["copy_ranges"],
+                "copy_seconds": copy_s, "copy_gb_s": d["copied_bytes"] / copy_s / 1e9 if copy_s > 0 else 0.0}
+
+    # Warm-up: a short prompt and a few decode steps, so that first-call costs are not measured.
+    model.generate(prompt[:8], max_tokens=4, ignore_eos=True)
+    if replay is not None:
+        replay.rewind()
+    session = model.new_session()
+
+    def do_prefill():
+        model.prefill(session, prompt, spec["ubatch"])
+        return len(prompt)
+
+    prefill = phase(do_prefill)
+
+    def decode():
+        tok = prompt[-1]
+        for _ in range(spec["decode"]):
+            logits = model.prefill(session, [tok])
+            tok = int(logits.argmax())
+        return spec["decode"]
+
+    dec = phase(decode)
+    from ..commands.common import peak_rss_bytes
+
+    tel = model.telemetry()
+    return {"mode": spec["mode"], "store": spec["store"], "fraction": spec.get("fraction"),
+            "capacity": tel["capacity"], "total_experts": tel["total_experts"], "expert_bytes": tel["expert_bytes"],
+            "policy": tel["policy"], "load_seconds": load_s, "prefill": prefill, "decode": dec,
+            "peak_rss_bytes": peak_rss_bytes()}
+
+
+def configurations(args) -> list[dict]:
+    base = {"model": args.model, "threads": args.threads, "prefill": args.prefill, "decode": args.decode,
+            "ubatch": args.ubatch, "dtype": args.dtype, "policy": args.cache_policy, "route_trace": args.route_trace}
+    specs = []
+    for store in args.stores.split(","):
+        specs.append({**base, "mode": "resident", "store": store})
+        specs.append({**base, "mode": "staging", "store": store})
+        for f in args.fractions:
+            specs.append({**base, "mode": "cache", "store": store, "fraction": f})
+    return specs
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'mode':<9}{'store':<6}{'cap':>6}{'slots':>7}  {'prefill t/s':>11}{'decode t/s':>11}"
+            f"{'hit rate':>9}{'MB/tok':>9}{'copy GB/s':>10}{'peak RSS MB':>12}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cap = "all" if r["mode"] == "resident" else ("-" if r["fraction"] is None else f"{r['fraction']:.0%}")
+        d = r["decode"]
+        lines.append(f"{r['mode']:<9}{r['store']:<6}{cap:>6}{r['capacity']:>7}  {r['prefill']['tok_s']:>11.1f}"
+                     f"{d['tok_s']:>11.2f}{d['hit_rate']:>9.3f}{d['copied_bytes_per_token'] / 1e6:>9.2f}"
+                     f"{d['copy_gb_s']:>10.2f}{r['peak_rss_bytes'] / 2**20:>12.0f}")
+    return "\n".join(lines)
+
+
+def cmd_bench_cache(args) -> int:
+    from ..checkpoint.loader import open_checkpoint
+    from ..errors import ExpertCacheError
+
+    open_checkpoint(args.model)  # bad paths fail here, with one line
+    for s in args.stores.split(","):
+        if s not in ("ram", "mmap", "disk"):
+            raise ExpertCacheError(f"unknown store {s!r} in --stores: expected ram, mmap, disk")
+    rows = []
+    specs = configurations(args)
+    for spec in tqdm(specs, desc="bench cache", unit="config", file=sys.stderr):
+        p = subprocess.run([sys.executable, "-m", "expertcache.bench.cache_bench", json.dumps(spec)],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            raise ExpertCacheError(f"configuration {spec['mode']}/{spec['store']}/{spec.get('fraction')} failed: "
+                                   f"{p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
+        rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    print(table(rows))
+    print(json.dumps({"bench": "cache", "model": str(args.model), "threads": args.threads,
+                      "prefill_tokens": args.prefill, "decode_tokens": args.decode, "results": rows}))
+    return 0
+
+
+def _fractions(text: str) -> list[float]:
+    import argparse
+
+    try:
+        out = [float(x.strip().rstrip("%")) / (100 if x.strip().endswith("%") else 1) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid fractions {text!r}: expected e.g. 0.25,0.5 or 25%,50%") from None
+    if not all(0 < f <= 1 for f in out):
+        raise argparse.ArgumentTypeError(f"fractions {text!r} must be in (0, 1]")
+    return out
+
+
+def add_parser(suites) -> None:
+    from ..commands.common import positive_int
+
+    p = suites.add_parser("cache", help="resident vs staging vs cache at several capacities and slow tiers")
+    p.add_argument("-m", "--model", required=True, help="checkpoint (use `expertcache synth` for real sizes)")
+    p.add_argument("--fractions", type=_fractions, default=list(DEFAULT_FRACTIONS),
+                   help="cache capacities as fractions of all experts (default: 0.25,0.5,0.75)")
+    p.add_argument("--stores", default="ram,mmap,disk", help="slow tiers to measure (default: ram,mmap,disk)")
+    p.add_argument("--prefill", type=positive_int, default=256, help="prompt tokens (default: 256)")
+    p.add_argument("--decode", type=positive_int, default=32, help="decoded tokens (default: 32)")
+    p.add_argument("--ubatch", type=positive_int, default=512)
+    p.add_argument("-t", "--threads", type=positive_int, default=torch.get_num_threads())
+    p.add_argument("--dtype")
+    p.add_argument("--cache-policy", default=None, help="eviction policy (default: the runtime's)")
+    p.add_argument("--route-trace", help="force routing to follow a recorded trace (expertcache trace record)")
+    p.set_defaults(func=cmd_bench_cache)
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_one(json.loads(sys.argv[1]))))
