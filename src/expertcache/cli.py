@@ -10,7 +10,7 @@ from .commands.common import Parser
 from .errors import ExpertCacheError
 
 # Each module has `register(subparsers)`.
-COMMANDS = ("run", "pack", "synth", "perplexity", "bench", "trace")
+COMMANDS = ("run", "pack", "synth", "perplexity", "bench", "trace", "serve")
 
 
 def build_parser() -> Parser:

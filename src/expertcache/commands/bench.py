@@ -1,5 +1,5 @@
 """`expertcache bench SUITE`: benchmark suites, each registered by its own module
-`expertcache.bench.SUITE` through `add_parser(bench_subparsers)`."""
+`expertcache.bench.MODULE` through `add_parser(bench_subparsers)`."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import importlib
 
 from .common import Parser
 
-# Each module `expertcache.bench.NAME` has `add_parser(bench_subparsers)`.
-SUITES = ("serve",)
+# Modules under `expertcache.bench` that each have `add_parser(bench_subparsers)`.
+SUITES = ("cache_bench", "serve")
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: serve (an OpenAI-compatible server)")
+    p = sub.add_parser("bench", help="benchmarks: cache (cache modes and sizes), serve (an OpenAI-compatible server)")
     suites = p.add_subparsers(dest="suite", required=True, parser_class=Parser)
     for name in SUITES:
         importlib.import_module(f"expertcache.bench.{name}").add_parser(suites)

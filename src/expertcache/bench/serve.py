@@ -1,0 +1,404 @@
+"""`expertcache bench serve`: a client that measures any OpenAI-compatible server (ours or
+llama.cpp's) the way long-context MoE offloading is measured.
+
+- steady:  sequential requests for a fixed duration after a warm-up; prompt, completion and total tok/s.
+- prefill: one cold request whose prompt has a target token count (calibrated through /tokenize).
+- turns:   one growing conversation, turn after turn, with the prompt cache on, up to a target context.
+
+Requests stream (time to first token is measured at the client) and ask for usage; llama-server's
+`timings` are used when the server sends them. Each suite prints a table and one JSON line last.
+With `--model DIR --compare staging,cache` it starts our server in each mode in turn and prints deltas.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+from ..errors import ExpertCacheError
+
+SUITE_NAMES = ("steady", "prefill", "turns")
+DEFAULT_MAX_TOKENS = {"steady": 128, "prefill": 128, "turns": 64}
+HELDOUT = Path(__file__).resolve().parent.parent / "assets" / "heldout.txt"
+
+
+# ---- text ----
+def bench_text(path: Path = HELDOUT) -> tuple[str, str]:
+    """(text, label): the bundled held-out text, or a deterministic generated text when it is missing."""
+    if path.exists() and path.stat().st_size > 0:
+        return path.read_text(encoding="utf-8", errors="replace"), f"heldout.txt ({path})"
+    rng = random.Random(0)
+    words = ["value", "index", "count", "items", "result", "name", "data", "line", "node", "key", "total", "size"]
+    lines = []
+    for i in range(4000):
+        a, b = rng.choice(words), rng.choice(words)
+        lines += [f"def {a}_{i}({b}, {a}=None):", f"    if {a} is None:", f"        {a} = {rng.randint(0, 999)}",
+                  f"    return {b} * {a} + {rng.randint(0, 99)}", ""]
+    return "\n".join(lines), f"generated (deterministic; {path} not found)"
+
+
+# ---- HTTP ----
+class Client:
+    def __init__(self, url: str, timeout: float = 600.0):
+        self.url, self.timeout = url.rstrip("/"), timeout
+
+    def _open(self, path: str, body: dict | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            return urllib.request.urlopen(req, timeout=self.timeout)
+        except urllib.error.HTTPError as e:
+            raise ExpertCacheError(f"{self.url}{path}: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ExpertCacheError(f"{self.url}{path}: cannot connect: {getattr(e, 'reason', e)}") from None
+
+    def get(self, path: str) -> dict:
+        with self._open(path) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict) -> dict:
+        with self._open(path, body) as r:
+            return json.loads(r.read())
+
+    def count_tokens(self, text: str) -> int:
+        try:
+            return len(self.post("/tokenize", {"content": text})["tokens"])
+        except (ExpertCacheError, KeyError):  # vLLM's /tokenize takes `prompt` and answers `count`
+            return int(self.post("/tokenize", {"prompt": text, "add_special_tokens": False})["count"])
+
+    def stream(self, path: str, body: dict) -> dict:
+        """One streamed request: latency, time to first token, text, usage and timings."""
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        ttft, text, usage, timings, finish = None, [], None, None, None
+        with self._open(path, body) as r:
+            for raw in r:
+                line = raw.decode("utf-8", errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise ExpertCacheError(f"{self.url}{path}: {chunk['error'].get('message')}")
+                for c in chunk.get("choices") or []:
+                    piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                    if piece:
+                        ttft = ttft if ttft is not None else time.perf_counter() - t0
+                        text.append(piece)
+                    finish = c.get("finish_reason") or finish
+                usage = chunk.get("usage") or usage
+                timings = chunk.get("timings") or timings
+        latency = time.perf_counter() - t0
+        return {"latency": latency, "ttft": ttft if ttft is not None else latency, "text": "".join(text),
+                "usage": usage or {}, "timings": timings, "finish_reason": finish}
+
+
+def calibrate(client: Client, text: str, start: int, n_tokens: int) -> str:
+    """A slice of `text` from `start` that the server tokenizes to about n_tokens tokens."""
+    if n_tokens < 1:
+        raise ExpertCacheError(f"a prompt of {n_tokens} tokens: expected at least 1")
+    sample = _window(text, start, 4000)
+    cpt = len(sample) / max(1, client.count_tokens(sample))  # characters per token
+    length = max(1, int(n_tokens * cpt))
+    best = None
+    for _ in range(8):
+        piece = _window(text, start, length)
+        n = client.count_tokens(piece)
+        if best is None or abs(n - n_tokens) < abs(best[1] - n_tokens):
+            best = (piece, n)
+        if abs(n - n_tokens) <= max(1, n_tokens // 100):
+            break
+        length = max(1, int(length * n_tokens / max(1, n)))
+    return best[0]
+
+
+def _window(text: str, start: int, length: int) -> str:
+    while len(text) < start + length:  # a short text repeats
+        text = text + "\n" + text
+    return text[start: start + length]
+
+
+# ---- suites ----
+def _prompt_tps(r: dict) -> tuple[float, int, int]:
+    """(processed prompt tok/s, processed, cached): llama-server's timings, else usage over TTFT."""
+    t = r["timings"]
+    if t and "prompt_n" in t:
+        return float(t.get("prompt_per_second") or 0.0), int(t["prompt_n"]), int(t.get("cache_n", 0))
+    prompt = int(r["usage"].get("prompt_tokens", 0))
+    cached = int((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return (prompt - cached) / r["ttft"] if r["ttft"] > 0 else 0.0, prompt - cached, cached
+
+
+def suite_steady(client: Client, text: str, model: str, prompt_tokens: int, max_tokens: int,
+                 duration: float, warmup: int) -> dict:
+    prompt = calibrate(client, text, 0, prompt_tokens)
+    step = len(prompt)
+
+    def request(i: int) -> dict:
+        p = _window(text, (i * step) % max(1, len(text) - step), step)  # a fresh window each time
+        return client.stream("/v1/completions", {"model": model, "prompt": p, "max_tokens": max_tokens,
+                                                 "temperature": 0, "ignore_eos": True, "cache_prompt": False})
+
+    for i in range(warmup):
+        request(i)
+    rows, t0 = [], time.perf_counter()
+    i = warmup
+    while time.perf_counter() - t0 < duration:
+        r = request(i)
+        tps, processed, cached = _prompt_tps(r)
+        rows.append({"latency_s": r["latency"], "ttft_s": r["ttft"], "prompt_tokens": r["usage"].get("prompt_tokens", 0),
+                     "completion_tokens": r["usage"].get("completion_tokens", 0), "prompt_tps": tps,
+                     "predicted_tps": (r["timings"] or {}).get("predicted_per_second")})
+        i += 1
+    elapsed = time.perf_counter() - t0
+    p = sum(x["prompt_tokens"] for x in rows)
+    c = sum(x["completion_tokens"] for x in rows)
+    n = len(rows)
+    gen = [x["predicted_tps"] for x in rows if x["predicted_tps"]]
+    return {"requests": n, "seconds": elapsed, "prompt_tokens": p, "completion_tokens": c,
+            "prompt_tps": p / elapsed, "completion_tps": c / elapsed, "total_tps": (p + c) / elapsed,
+            "mean_latency_s": sum(x["latency_s"] for x in rows) / n, "mean_ttft_s": sum(x["ttft_s"] for x in rows) / n,
+            "server_prompt_tps": sum(x["prompt_tps"] for x in rows) / n,
+            "server_predicted_tps": sum(gen) / len(gen) if gen else None}
+
+
+def suite_prefill(client: Client, text: str, model: str, prompt_tokens: int, max_tokens: int) -> dict:
+    # A nonce in front makes the prompt cold for any prompt cache; cache_prompt=false for llama-server.
+    nonce = f"# run {uuid.uuid4().hex}\n"
+    prompt = calibrate(client, text, 0, max(1, prompt_tokens - client.count_tokens(nonce)))
+    r = client.stream("/v1/completions", {"model": model, "prompt": nonce + prompt, "max_tokens": max_tokens,
+                                          "temperature": 0, "ignore_eos": True, "cache_prompt": False})
+    tps, processed, cached = _prompt_tps(r)
+    return {"prompt_tokens": r["usage"].get("prompt_tokens", processed + cached), "processed_tokens": processed,
+            "cached_tokens": cached, "completion_tokens": r["usage"].get("completion_tokens", 0),
+            "latency_s": r["latency"], "ttft_s": r["ttft"], "prompt_tps": tps,
+            "predicted_tps": (r["timings"] or {}).get("predicted_per_second")}
+
+
+def suite_turns(client: Client, text: str, model: str, turn_tokens: int, max_tokens: int, target_ctx: int) -> dict:
+    messages = [{"role": "system", "content": "You continue Python code."}]
+    rows, offset, context = [], 0, 0
+    while context + turn_tokens + max_tokens <= target_ctx:
+        user = calibrate(client, text, offset, turn_tokens)
+        offset += len(user)
+        messages.append({"role": "user", "content": user})
+        r = client.stream("/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": max_tokens,
+                                                   "temperature": 0, "ignore_eos": True, "cache_prompt": True})
+        messages.append({"role": "assistant", "content": r["text"]})
+        tps, processed, cached = _prompt_tps(r)
+        context = int(r["usage"].get("prompt_tokens", processed + cached)) + int(r["usage"].get("completion_tokens", 0))
+        rows.append({"turn": len(rows) + 1, "prompt_tokens": processed + cached, "processed": processed,
+                     "cached": cached, "completion_tokens": r["usage"].get("completion_tokens", 0),
+                     "latency_s": r["latency"], "ttft_s": r["ttft"], "prompt_tps": tps})
+    if not rows:
+        raise ExpertCacheError(f"--target-ctx {target_ctx} leaves no room for one turn of {turn_tokens} "
+                               f"tokens plus {max_tokens} generated")
+    return {"turns": len(rows), "final_context": context,
+            "mean_latency_s": sum(x["latency_s"] for x in rows) / len(rows),
+            "processed_tokens": sum(x["processed"] for x in rows), "cached_tokens": sum(x["cached"] for x in rows),
+            "mean_prompt_tps": sum(x["prompt_tps"] for x in rows) / len(rows), "rows": rows}
+
+
+def run_suite(args, url: str) -> dict:
+    client = Client(url, args.timeout)
+    text, label = bench_text()
+    models = client.get("/v1/models").get("data") or [{}]
+    model = args.model_id or models[0].get("id")
+    max_tokens = args.max_tokens if args.max_tokens is not None else DEFAULT_MAX_TOKENS[args.suite]
+    if args.suite == "steady":
+        res = suite_steady(client, text, model, args.prompt_tokens or 512, max_tokens, args.duration, args.warmup)
+    elif args.suite == "prefill":
+        res = suite_prefill(client, text, model, args.prompt_tokens or 2048, max_tokens)
+    else:
+        res = suite_turns(client, text, model, args.turn_tokens, max_tokens, args.target_ctx)
+    hit = _scrape_hit_rate(client)
+    if hit is not None:
+        res["cache_hit_rate"] = hit
+    return {"suite": args.suite, "url": url, "model": model, "text": label, "max_tokens": max_tokens, **res}
+
+
+def _scrape_hit_rate(client: Client) -> float | None:
+    """Our server's expert-cache hit rate since start, when the server is ours."""
+    try:
+        with client._open("/metrics") as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("expertcache_cache_hit_rate "):
+                    return float(line.split()[1])
+    except (ExpertCacheError, ValueError):
+        pass
+    return None
+
+
+# ---- output ----
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    return "-" if v is None else str(v)
+
+
+def print_table(rows: list[dict], out=sys.stdout) -> None:
+    if not rows:
+        return
+    cols = list(rows[0])
+    cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)), file=out)
+    for x in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(x, widths)), file=out)
+
+
+def print_result(res: dict) -> None:
+    print(f"suite {res['suite']} | {res['url']} | model {res['model']} | text: {res['text']}")
+    scalars = {k: v for k, v in res.items() if k not in ("suite", "url", "model", "text", "rows")}
+    if res.get("rows"):
+        print_table(res["rows"])
+    print_table([{"metric": k, "value": v} for k, v in scalars.items()])
+
+
+# ---- A/B: our server in each cache mode ----
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_argv(args, mode: str, port: int) -> list[str]:
+    argv = [sys.executable, "-m", "expertcache.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
+            "--port", str(port), "--cache-mode", mode, "--cache-policy", args.cache_policy, "--store", args.store,
+            "--ubatch", str(args.ubatch), "--device", args.device]
+    if mode == "cache":
+        for flag, v in (("--cache-experts", args.cache_experts), ("--cache-mem", args.cache_mem),
+                        ("--cache-fraction", args.cache_fraction)):
+            if v is not None:
+                argv += [flag, str(v)]
+    for flag, v in (("-t", args.threads), ("-c", args.ctx_size), ("--dtype", args.dtype)):
+        if v is not None:
+            argv += [flag, str(v)]
+    return argv
+
+
+def run_compare(args) -> list[dict]:
+    from ..config import CACHE_MODES
+
+    modes = [m.strip() for m in args.compare.split(",") if m.strip()]
+    bad = [m for m in modes if m not in CACHE_MODES]
+    if bad or len(modes) < 1:
+        raise ExpertCacheError(f"--compare {args.compare!r}: expected cache modes from {', '.join(CACHE_MODES)}")
+    results = []
+    for mode in modes:
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        with tempfile.TemporaryFile() as log:
+            proc = subprocess.Popen(serve_argv(args, mode, port), stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            try:
+                _wait_healthy(url, proc, log, args.startup_timeout)
+                res = run_suite(args, url)
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        res["mode"] = mode
+        print_result(res)
+        print()
+        results.append(res)
+    return results
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            tail = log.read().decode(errors="replace").strip().splitlines()[-3:]
+            raise ExpertCacheError(f"the server exited with code {proc.returncode}: {' | '.join(tail)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)
+    raise ExpertCacheError(f"the server at {url} was not healthy after {timeout:.0f} s (--startup-timeout)")
+
+
+def deltas(results: list[dict]) -> list[dict]:
+    """Each numeric figure of every mode against the first (the control), as a relative change."""
+    base = results[0]
+    rows = []
+    for k, v in base.items():
+        if isinstance(v, bool) or not isinstance(v, int | float) or k == "max_tokens":
+            continue
+        row = {"metric": k}
+        for r in results:
+            row[r["mode"]] = r.get(k)
+        for r in results[1:]:
+            x = r.get(k)
+            row[f"{r['mode']} vs {base['mode']}"] = f"{(x / v - 1) * 100:+.1f}%" if v and isinstance(x, int | float) else "-"
+        rows.append(row)
+    return rows
+
+
+# ---- command ----
+def cmd_bench_serve(args) -> int:
+    if (args.url is None) == (args.model is None):
+        raise ExpertCacheError("give exactly one of --url URL (a running server) or --model DIR (with --compare)")
+    if args.model is not None and not args.compare:
+        args.compare = "cache"
+    if args.url is not None:
+        res = run_suite(args, args.url)
+        print_result(res)
+        print(json.dumps(res))
+        return 0
+    results = run_compare(args)
+    rows = deltas(results)
+    if len(results) > 1:
+        print(f"deltas ({results[0]['mode']} is the control)")
+        print_table(rows)
+    print(json.dumps({"suite": args.suite, "text": results[0]["text"], "modes": {r["mode"]: r for r in results},
+                      "deltas": rows}))
+    return 0
+
+
+def add_parser(suites) -> None:
+    from ..commands.common import add_cache_flags, positive_int
+
+    p = suites.add_parser("serve", help="measure an OpenAI-compatible server: steady, prefill or turns")
+    p.add_argument("--suite", choices=SUITE_NAMES, required=True)
+    p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8080")
+    p.add_argument("--model-id", help="model name to send (default: the first of /v1/models)")
+    p.add_argument("--prompt-tokens", type=positive_int,
+                   help="prompt tokens per request (steady: default 512; prefill: default 2048)")
+    p.add_argument("--max-tokens", type=positive_int, help="tokens generated per request (default: 128; turns: 64)")
+    p.add_argument("--duration", type=float, default=60.0, help="steady: seconds of measured requests (default: 60)")
+    p.add_argument("--warmup", type=int, default=1, help="steady: requests before measuring (default: 1)")
+    p.add_argument("--turn-tokens", type=positive_int, default=256, help="turns: user tokens per turn (default: 256)")
+    p.add_argument("--target-ctx", type=positive_int, default=2048, help="turns: context to grow to (default: 2048)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: 600)")
+    g = p.add_argument_group("A/B: start our server in each mode (instead of --url)")
+    g.add_argument("-m", "--model", help="model directory to serve")
+    g.add_argument("--compare", help="cache modes to serve in turn, the first is the control (e.g. staging,cache)")
+    g.add_argument("-t", "--threads", type=positive_int, help="CPU threads of the server (the same in every mode)")
+    g.add_argument("-c", "--ctx-size", type=positive_int, help="context of the server's slot")
+    g.add_argument("--dtype")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--ubatch", type=positive_int, default=512)
+    g.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default: 300)")
+    add_cache_flags(p)
+    p.set_defaults(func=cmd_bench_serve)

@@ -1,0 +1,65 @@
+"""`expertcache serve`: the OpenAI-compatible HTTP server (see docs/server.md)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+from ..errors import ExpertCacheError
+from .common import add_cache_flags, add_model_flags, load_model, positive_int
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        raise ExpertCacheError(f"cannot resolve --host {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ExpertCacheError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(128)
+    return sock
+
+
+def cmd_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from ..server.app import create_app
+    except ImportError as e:
+        raise ExpertCacheError(f"the server needs the [server] extra ({e.name} is missing): "
+                               "pip install 'expertcache[server]'") from None
+    if not 0 <= args.port <= 65535:
+        raise ExpertCacheError(f"--port {args.port} must be in 0..65535")
+    sock = _listen(args.host, args.port)  # before loading: a busy port fails fast
+    model = load_model(args)
+    app = create_app(model, model_id=args.alias, n_slots=args.parallel, cache_prompt=not args.no_cache_prompt,
+                     ubatch=args.ubatch)
+    host, port = sock.getsockname()[:2]
+    print(f"expertcache: serving '{app.state.model_id}' on http://{host}:{port} "
+          f"({args.parallel} slot(s) of {model.ctx_size} tokens, prompt cache "
+          f"{'off' if args.no_cache_prompt else 'on'}, cache mode {model.telemetry().get('mode')})",
+          file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug")
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a prompt cache")
+    add_model_flags(p)
+    add_cache_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)")
+    p.add_argument("-np", "--parallel", type=positive_int, default=1,
+                   help="slots: conversations whose KV state is kept; they run in turn (default: 1)")
+    p.add_argument("--no-cache-prompt", action="store_true",
+                   help="do not reuse a slot's KV state for a common prompt prefix")
+    p.add_argument("-a", "--alias", help="model id the API reports (default: the model directory's name)")
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn log level (default: warning)")
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,97 @@
+"""/metrics: a Prometheus collector that reads the cache's counters (`model.telemetry()`) and the
+server's request counters at scrape time. The cache counts from its creation and a resize keeps
+the counts, so every `_total` series only grows."""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from ..telemetry import OP_COUNTERS
+from .slots import Scheduler
+
+PREFIX = "expertcache"
+
+_HELP = {
+    "ops_seen": "MoE ops processed",
+    "used_experts_unique": "distinct experts used, summed over MoE ops",
+    "loaded_experts_before": "experts of the layer resident when an op began, summed over ops",
+    "resident_hits": "used experts that were resident",
+    "resident_misses": "used experts that were not resident",
+    "copied_experts": "experts copied into the cache",
+    "copied_bytes": "bytes copied into the cache",
+    "copy_ranges": "transfers issued (runs of contiguous experts are one transfer)",
+    "skipped_experts": "copies avoided because the expert was resident",
+    "skipped_bytes": "bytes of copies avoided because the expert was resident",
+    "empty_copy_ops": "MoE ops that copied nothing",
+    "evictions": "experts evicted from the cache",
+    "waves": "waves of MoE ops that needed more experts than the cache has slots",
+}
+
+
+class ServerCollector(Collector):
+    def __init__(self, model, scheduler: Scheduler):
+        self.model, self.scheduler = model, scheduler
+
+    def _telemetry(self) -> dict:
+        # The worker thread may add a layer's counters while we read them; try again then.
+        for _ in range(5):
+            try:
+                return self.model.telemetry()
+            except RuntimeError:
+                continue
+        return {}
+
+    def collect(self):
+        t = self._telemetry()
+        layers = t.get("layers", {})
+        for name in OP_COUNTERS:
+            m = CounterMetricFamily(f"{PREFIX}_cache_{name}", _HELP.get(name, name), labels=["layer"])
+            for layer, counters in layers.items():
+                m.add_metric([str(layer)], counters.get(name, 0))
+            yield m
+        m = CounterMetricFamily(f"{PREFIX}_cache_invalidations", "cache slots invalidated, by reason",
+                                labels=["reason"])
+        for reason, n in t.get("invalidations", {}).items():
+            m.add_metric([reason], n)
+        yield m
+        for name, doc in (("pre_invalid_loaded", "slots resident when an invalidation cleared them"),
+                          ("pre_invalid_hit", "cleared slots that the next op would have hit"),
+                          ("load_copied_experts", "experts copied while loading or resizing"),
+                          ("load_copied_bytes", "bytes copied while loading or resizing")):
+            yield CounterMetricFamily(f"{PREFIX}_cache_{name}", doc, value=t.get(name, 0))
+        total = t.get("total", {})
+        yield GaugeMetricFamily(f"{PREFIX}_cache_hit_rate", "resident hits / used experts since start",
+                                value=total.get("hit_rate", 0.0))
+        for name, doc in (("capacity", "cache slots, in experts"), ("total_experts", "experts in the model"),
+                          ("expert_bytes", "bytes of one expert"), ("pool_bytes", "bytes of the slot pool")):
+            yield GaugeMetricFamily(f"{PREFIX}_cache_{name}", doc, value=t.get(name, 0))
+        info = GaugeMetricFamily(f"{PREFIX}_cache_info", "cache mode, policy and slow tier",
+                                 labels=["mode", "policy", "store"])
+        info.add_metric([str(t.get("mode", "")), str(t.get("policy", "")), str(t.get("store", ""))], 1)
+        yield info
+
+        s = self.scheduler.snapshot()
+        for name, doc, value in (
+            ("requests", "requests served (including aborted ones)", s.requests),
+            ("requests_aborted", "requests whose client left before the end", s.aborted),
+            ("requests_failed", "requests that failed inside the engine", s.errors),
+            ("prompt_tokens", "prompt tokens processed (not reused from the prompt cache)", s.prompt_tokens),
+            ("prompt_cached_tokens", "prompt tokens reused from a slot's KV state", s.cached_tokens),
+            ("tokens_predicted", "tokens generated", s.predicted_tokens),
+            ("prompt_seconds", "seconds spent processing prompts", s.prompt_seconds),
+            ("tokens_predicted_seconds", "seconds spent generating", s.predicted_seconds),
+        ):
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        yield GaugeMetricFamily(f"{PREFIX}_prompt_tokens_per_second", "average prompt throughput since start",
+                                value=s.prompt_tokens / s.prompt_seconds if s.prompt_seconds else 0.0)
+        yield GaugeMetricFamily(f"{PREFIX}_predicted_tokens_per_second", "average generation throughput since start",
+                                value=s.predicted_tokens / s.predicted_seconds if s.predicted_seconds else 0.0)
+        yield GaugeMetricFamily(f"{PREFIX}_requests_processing", "requests running now", value=s.processing)
+        yield GaugeMetricFamily(f"{PREFIX}_requests_deferred", "requests waiting for the worker", value=s.deferred)
+
+
+def make_registry(model, scheduler: Scheduler) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServerCollector(model, scheduler))
+    return registry

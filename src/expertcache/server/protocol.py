@@ -1,0 +1,265 @@
+"""OpenAI's request and response shapes: parsing and validating request bodies (every error names
+the field and what was expected, as an `ApiError` with OpenAI's error shape) and building the
+JSON of responses and stream chunks."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from ..engine import GenerationResult
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ApiError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_json")
+    return body
+
+
+# ---- fields ----
+def _type_name(v) -> str:
+    return "null" if v is None else {bool: "boolean", int: "integer", float: "number", str: "string",
+                                     list: "array", dict: "object"}.get(type(v), type(v).__name__)
+
+
+def get_int(body: dict, name: str, default=None, lo: int | None = None, hi: int | None = None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(f"'{name}' must be an integer, got {_type_name(v)} {v!r}", param=name)
+    if lo is not None and v < lo:
+        raise ApiError(f"'{name}' is {v}; it must be >= {lo}", param=name)
+    if hi is not None and v > hi:
+        raise ApiError(f"'{name}' is {v}; it must be <= {hi}", param=name)
+    return v
+
+
+def get_number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ApiError(f"'{name}' must be a number, got {_type_name(v)} {v!r}", param=name)
+    if v != v or v < lo or (lo_open and v == lo) or v > hi:
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise ApiError(f"'{name}' is {v}; it must be in {interval}", param=name)
+    return float(v)
+
+
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(f"'{name}' must be a boolean, got {_type_name(v)} {v!r}", param=name)
+    return v
+
+
+def get_stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return v
+    raise ApiError(f"'stop' must be a string or an array of strings, got {_type_name(v)}", param="stop")
+
+
+def check_model(body: dict, served: str) -> None:
+    name = body.get("model")
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise ApiError(f"'model' must be a string, got {_type_name(name)}", param="model")
+    if name != served:
+        raise ApiError(f"the model '{name}' does not exist; this server serves '{served}'", status=404,
+                       param="model", code="model_not_found")
+
+
+def _reject(body: dict, name: str, allowed) -> None:
+    v = body.get(name)
+    if v is not None and v not in allowed:
+        raise ApiError(f"'{name}' = {v!r} is not supported by this server", param=name, code="unsupported_parameter")
+
+
+def sampling(body: dict, ctx: int, prompt_tokens: int) -> dict:
+    """generate() keyword arguments from a request. max_tokens may not exceed the context; a
+    completion that would run past it is cut there (finish_reason "length"), as llama-server does."""
+    _reject(body, "n", (1,))
+    _reject(body, "logprobs", (False, 0))
+    _reject(body, "top_logprobs", (0,))
+    _reject(body, "echo", (False,))
+    _reject(body, "best_of", (1,))
+    _reject(body, "suffix", ("",))
+    if body.get("tools"):
+        raise ApiError("'tools' are not supported by this server", param="tools", code="unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise ApiError("'response_format' other than text is not supported", param="response_format",
+                       code="unsupported_parameter")
+    names = [n for n in ("max_completion_tokens", "max_tokens", "n_predict") if body.get(n) is not None]
+    name = names[0] if names else "max_tokens"
+    max_tokens = get_int(body, name, None, lo=0, hi=ctx)
+    if max_tokens is None:  # as llama-server and vLLM: up to the end of the context
+        max_tokens = max(0, ctx - prompt_tokens)
+    return dict(
+        max_tokens=max_tokens,
+        temperature=get_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=get_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=get_int(body, "top_k", 0, lo=0),
+        min_p=get_number(body, "min_p", 0.0, 0.0, 1.0),
+        seed=get_int(body, "seed", None),
+        stop=get_stop(body),
+        ignore_eos=get_bool(body, "ignore_eos", False),
+    )
+
+
+# ---- prompts ----
+def chat_messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise ApiError("'messages' is required", param="messages")
+    if not isinstance(msgs, list):
+        raise ApiError(f"'messages' must be an array, got {_type_name(msgs)}", param="messages")
+    if not msgs:
+        raise ApiError("'messages' must hold at least one message", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(f"'{where}' must be an object, got {_type_name(m)}", param=where)
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(f"'{where}.role' is {role!r}; expected one of {', '.join(ROLES)}", param=f"{where}.role")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(f"'{where}.content[{j}]' must be a text part {{\"type\": \"text\", \"text\": ...}}",
+                                   param=f"{where}.content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None and role == "assistant":
+            content = ""
+        elif not isinstance(content, str):
+            raise ApiError(f"'{where}.content' must be a string or an array of text parts, got {_type_name(content)}",
+                           param=f"{where}.content")
+        out.append({**{k: v for k, v in m.items() if k != "content"}, "content": content})
+    return out
+
+
+def completion_prompt(body: dict, tokenizer, vocab_size: int) -> list[int]:
+    """Prompt ids of a completion request: a string, an array of token ids, or an array of one of either."""
+    p = body.get("prompt")
+    if p is None:
+        raise ApiError("'prompt' is required", param="prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+        p = p[0]
+    if isinstance(p, str):
+        return tokenizer.encode(p)
+    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return check_token_ids(p, vocab_size, "prompt")
+    if isinstance(p, list) and p and all(isinstance(x, str | list) for x in p):
+        raise ApiError(f"'prompt' holds {len(p)} prompts; this server takes one prompt per request", param="prompt")
+    raise ApiError(f"'prompt' must be a string or an array of token ids, got {_type_name(p)}", param="prompt")
+
+
+def check_token_ids(ids, vocab_size: int, param: str) -> list[int]:
+    if not isinstance(ids, list):
+        raise ApiError(f"'{param}' must be an array of token ids, got {_type_name(ids)}", param=param)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ApiError(f"'{param}' holds {t!r}; token ids are integers in [0, {vocab_size})", param=param)
+    return ids
+
+
+def check_prompt_fits(ids: list[int], ctx: int, param: str) -> None:
+    if not ids:
+        raise ApiError("the prompt is empty (no tokens)", param=param)
+    if len(ids) > ctx:
+        raise ApiError(f"the prompt has {len(ids)} tokens; the context of a slot is {ctx} tokens",
+                       param=param, code="context_length_exceeded")
+
+
+# ---- responses ----
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(res: GenerationResult) -> dict:
+    n = len(res.token_ids)
+    return {"prompt_tokens": res.prompt_tokens, "completion_tokens": n, "total_tokens": res.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": res.cached_tokens}}
+
+
+def finish_reason(res: GenerationResult) -> str:
+    return "length" if res.finish_reason == "length" else "stop"
+
+
+def chat_response(rid: str, model: str, res: GenerationResult) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text},
+                         "logprobs": None, "finish_reason": finish_reason(res)}],
+            "usage": usage(res), "timings": res.timings()}
+
+
+def completion_response(rid: str, model: str, res: GenerationResult) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": res.text, "logprobs": None, "finish_reason": finish_reason(res)}],
+            "usage": usage(res), "timings": res.timings()}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish: str | None = None,
+               usage_: dict | None = None, timings: dict | None = None) -> dict:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
+    if timings is not None:
+        out["timings"] = timings
+    return out
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str | None, finish: str | None = None,
+                     usage_: dict | None = None, timings: dict | None = None) -> dict:
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
+    if timings is not None:
+        out["timings"] = timings
+    return out
+
+
+def sse(obj) -> bytes:
+    return f"data: {json.dumps(obj) if not isinstance(obj, str) else obj}\n\n".encode()

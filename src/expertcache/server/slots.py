@@ -1,0 +1,183 @@
+"""Slots and the request queue of the server. One worker thread runs one request at a time (slots
+run in turn, never batched); each slot keeps the KV state (`Session`) of its last conversation so
+that a request continuing it reuses the longest common token prefix. Knows nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..engine import GenerationResult, Model, Session
+
+# A slot's cached tokens count as the request's conversation when their common prefix covers
+# at least this fraction of the request or of the slot (llama-server's --slot-prompt-similarity
+# is the first half of this rule); otherwise the least recently used slot is taken, so that two
+# conversations sharing only a system prompt do not keep evicting each other.
+SIMILARITY = 0.5
+
+
+@dataclass(slots=True)
+class Slot:
+    id: int
+    session: Session | None = None  # created on first use; holds up to the context of one slot
+    last_used: int = 0              # a tick of the scheduler; 0 = never used
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.session.tokens if self.session is not None else []
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def choose_slot(slots: list[Slot], ids: list[int], cache_prompt: bool = True) -> Slot:
+    """The slot whose cached tokens share the longest prefix with `ids` (ties: the least recently
+    used), if that prefix is a real match (see SIMILARITY); else the least recently used slot."""
+    lru = min(slots, key=lambda s: s.last_used)
+    if not cache_prompt:
+        return lru
+    best, best_n = lru, -1
+    for s in sorted(slots, key=lambda s: s.last_used):
+        n = common_prefix(s.tokens, ids)
+        if n > best_n:
+            best, best_n = s, n
+    if best_n > 0 and (best_n >= SIMILARITY * len(ids) or best_n >= SIMILARITY * len(best.tokens)):
+        return best
+    return lru
+
+
+@dataclass
+class Job:
+    """One request: prompt ids and generate() keyword arguments. Callbacks run on the worker thread."""
+
+    ids: list[int]
+    gen: dict
+    cache_prompt: bool = True
+    on_text: Callable[[str], None] | None = None
+    on_done: Callable[[GenerationResult | None, BaseException | None], None] = lambda res, err: None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    slot: int | None = None  # the slot that served it, once it ran
+
+
+@dataclass
+class Stats:
+    """Server counters since start; they only grow (exposed as Prometheus `_total` counters)."""
+
+    requests: int = 0
+    aborted: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0      # processed prompt tokens (not reused from the prompt cache)
+    cached_tokens: int = 0      # prompt tokens reused from a slot's KV state
+    predicted_tokens: int = 0
+    prompt_seconds: float = 0.0
+    predicted_seconds: float = 0.0
+    processing: int = 0         # gauge: requests running now (0 or 1)
+    deferred: int = 0           # gauge: requests waiting in the queue
+
+    def record(self, res: GenerationResult) -> None:
+        self.requests += 1
+        self.aborted += res.finish_reason == "abort"
+        self.prompt_tokens += res.prompt_tokens - res.cached_tokens
+        self.cached_tokens += res.cached_tokens
+        self.predicted_tokens += len(res.token_ids)
+        self.prompt_seconds += res.prompt_seconds
+        self.predicted_seconds += res.gen_seconds
+
+
+class Scheduler:
+    """A FIFO queue of jobs served by one worker thread over `n_slots` KV sessions."""
+
+    def __init__(self, model: Model, n_slots: int = 1, cache_prompt: bool = True):
+        if n_slots < 1:
+            raise ValueError(f"n_slots {n_slots} must be at least 1")
+        self.model, self.cache_prompt = model, cache_prompt
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self.stats = Stats()
+        self._lock = threading.Lock()  # guards stats against a concurrent /metrics scrape
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._tick = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="expertcache-worker", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel what is queued or running and wait for the worker to end."""
+        if self._thread is None:
+            return
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancelled.set()
+                job.on_done(None, RuntimeError("the server is shutting down"))
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._thread = None
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            self.stats.deferred += 1
+        self._queue.put(job)
+
+    def snapshot(self) -> Stats:
+        with self._lock:
+            return Stats(**{k: getattr(self.stats, k) for k in Stats.__dataclass_fields__})
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                self.stats.deferred -= 1
+                self.stats.processing += 1
+            try:
+                self._serve(job)
+            finally:
+                with self._lock:
+                    self.stats.processing -= 1
+
+    def _serve(self, job: Job) -> None:
+        if job.cancelled.is_set():  # the client left while the request was queued
+            with self._lock:
+                self.stats.aborted += 1
+            job.on_done(None, None)
+            return
+        use_cache = self.cache_prompt and job.cache_prompt
+        slot = choose_slot(self.slots, job.ids, use_cache)
+        self._tick += 1
+        slot.last_used, job.slot = self._tick, slot.id
+        if slot.session is None:
+            slot.session = self.model.new_session()
+        if not use_cache:
+            slot.session.truncate(0)
+
+        def on_text(piece: str) -> bool:
+            if job.on_text is not None:
+                job.on_text(piece)
+            return not job.cancelled.is_set()
+
+        try:
+            res = self.model.generate(job.ids, session=slot.session, on_text=on_text, **job.gen)
+        except Exception as e:  # reported to the waiting request; the worker keeps serving
+            slot.session.truncate(0)  # the KV state may be half-written
+            with self._lock:
+                self.stats.errors += 1
+            job.on_done(None, e)
+            return
+        with self._lock:
+            self.stats.record(res)
+        job.on_done(res, None)
