@@ -22,48 +22,55 @@ def cmd_perplexity(args) -> int:
     if not text:
         raise ExpertCacheError(f"{args.file}: the file is empty")
     base = cache_config(args)
-    runs: dict[str, tuple[PerplexityResult, dict]] = {}
-    ids = bos_id = None
-    for mode in modes or [base.mode]:
-        model = _load(args, dataclasses.replace(base, mode=mode))
-        if ids is None:  # tokenize once, with the first model's tokenizer (all modes share it)
-            ids, bos_id = _tokenize(model, text, args)
-            args.model_path = str(model.path)
-            if args.ctx_size > model.cfg.max_position:
-                print(f"expertcache: warning: the model was trained on only {model.cfg.max_position} context "
-                      f"tokens ({args.ctx_size} specified)", file=sys.stderr)
-        runs[mode] = (_run(model, ids, bos_id, args, mode if modes else None), model.telemetry())
-        del model  # one model in memory at a time
-
+    runs, model_path = _measure(args, text, modes or [base.mode], base, labelled=modes is not None)
+    header = _header(args, model_path, next(iter(runs.values()))[0])
     if modes is None:
-        (mode, (res, tel)), = runs.items()
+        ((mode, (res, tel)),) = runs.items()
         if args.json:
-            print(json.dumps({**_header(args, res), **_run_json(res, tel)}))
+            print(json.dumps({**header, **_run_json(res, tel)}))
         else:
             _print_run(res)
             _print_summary(mode, res, tel)
         return 0
+    return _report_compare(args, header, runs)
 
+
+def _measure(args, text: str, modes: list[str], base, labelled: bool):
+    """Run the text once per mode, each with a freshly loaded model; {mode: (result, telemetry)}."""
+    runs: dict[str, tuple[PerplexityResult, dict]] = {}
+    ids = bos_id = path = None
+    for mode in modes:
+        model = _load(args, dataclasses.replace(base, mode=mode))
+        if ids is None:  # tokenize once, with the first model's tokenizer (all modes share it)
+            ids, bos_id = _tokenize(model, text, args)
+            path = str(model.path)
+            if args.ctx_size > model.cfg.max_position:
+                print(f"expertcache: warning: the model was trained on only {model.cfg.max_position} context "
+                      f"tokens ({args.ctx_size} specified)", file=sys.stderr)
+        runs[mode] = (_run(model, ids, bos_id, args, mode if labelled else None), model.telemetry())
+        del model  # one model in memory at a time
+    return runs, path
+
+
+def _report_compare(args, header: dict, runs) -> int:
     diff = first_difference({m: r for m, (r, _) in runs.items()})
     if args.json:
-        first = next(iter(runs.values()))[0]
-        out = {**_header(args, first), "modes": {m: _run_json(r, t) for m, (r, t) in runs.items()},
+        out = {**header, "modes": {m: _run_json(r, t) for m, (r, t) in runs.items()},
                "bitwise_equal": diff is None, "first_difference": None}
         if diff is not None:
             out["first_difference"] = {"chunk": diff + 1, **_chunk_values(runs, diff)}
         print(json.dumps(out))
-    else:
-        for mode, (res, _) in runs.items():
-            print(f"{mode}:")
-            _print_run(res)
-        _print_table(runs)
-        n = len(next(iter(runs.values()))[0].chunks)
-        if diff is None:
-            print(f"bitwise equal: all {n} chunks in {', '.join(runs)}")
-        else:
-            vals = _chunk_values(runs, diff)["ppl"]
-            print(f"DIFFERENT: chunk {diff + 1} differs: " + ", ".join(f"{m} {v!r}" for m, v in vals.items()))
-    return 0 if diff is None else 1
+        return 0 if diff is None else 1
+    for mode, (res, _) in runs.items():
+        print(f"{mode}:")
+        _print_run(res)
+    _print_table(runs)
+    if diff is None:
+        print(f"bitwise equal: all {header['chunks']} chunks in {', '.join(runs)}")
+        return 0
+    vals = _chunk_values(runs, diff)["ppl"]
+    print(f"DIFFERENT: chunk {diff + 1} differs: " + ", ".join(f"{m} {v!r}" for m, v in vals.items()))
+    return 1
 
 
 def _parse_modes(text: str) -> list[str]:
@@ -112,8 +119,8 @@ def _run(model, ids, bos_id, args, label: str | None) -> PerplexityResult:
         return perplexity(model, ids, args.ctx_size, args.ubatch, args.chunks, bos_id, on_chunk=progress)
 
 
-def _header(args, res: PerplexityResult) -> dict:
-    return {"model": args.model_path, "file": args.file, "n_ctx": res.n_ctx, "ubatch": args.ubatch,
+def _header(args, model_path: str, res: PerplexityResult) -> dict:
+    return {"model": model_path, "file": args.file, "n_ctx": res.n_ctx, "ubatch": args.ubatch,
             "n_tokens": res.n_tokens, "chunks": len(res.chunks), "scored_tokens": res.count, "bos_id": res.bos_id}
 
 
