@@ -115,3 +115,74 @@ def brute_force_min_misses(ops: Sequence[Op], capacity: int) -> int:
         return len(misses) + min(best(t + 1, s) for s in states)
 
     return best(0, frozenset())
+
+
+# ---- comparing policies against MIN over a range of capacities ---------------------------------
+
+
+def parse_capacities(spec: str, total_experts: int) -> list[tuple[str, int]]:
+    """`"10%,25%,64"` -> [(label, slots)]: a percentage of all experts (rounded down, at least 1
+    slot) or a slot count; more slots than experts means every expert (the runtime does the same)."""
+    out: list[tuple[str, int]] = []
+    for part in spec.split(","):
+        text = part.strip()
+        try:
+            if text.endswith("%"):
+                pct = float(text[:-1])
+                if not 0 < pct <= 100:
+                    raise ValueError
+                slots = max(1, min(total_experts, int(pct / 100 * total_experts + 1e-9)))
+            else:
+                slots = int(text)
+                if slots < 1:
+                    raise ValueError
+                slots = min(slots, total_experts)
+        except ValueError:
+            raise ValueError(f"capacity {text!r} in {spec!r}: expected a percentage in (0, 100]% "
+                             f"of the {total_experts} experts, or a slot count >= 1") from None
+        if slots not in (s for _, s in out):
+            out.append((text, slots))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """One policy at one capacity, next to Belady's MIN at the same capacity."""
+
+    result: SimResult
+    belady: SimResult
+    waved_ops: int  # ops using more experts than there are slots (run in waves)
+
+    @property
+    def misses_vs_belady(self) -> float | None:
+        return _ratio(self.result.misses, self.belady.misses)
+
+    @property
+    def noncompulsory_vs_belady(self) -> float | None:
+        """The ratio over the misses any cache could avoid (misses minus first uses)."""
+        c = self.result.compulsory_misses
+        return _ratio(self.result.misses - c, self.belady.misses - c)
+
+    def as_dict(self) -> dict[str, object]:
+        return self.result.as_dict() | {"waved_ops": self.waved_ops, "belady_misses": self.belady.misses,
+                                        "misses_vs_belady": self.misses_vs_belady,
+                                        "noncompulsory_vs_belady": self.noncompulsory_vs_belady}
+
+
+def _ratio(a: int, b: int) -> float | None:
+    if b == 0:
+        return 1.0 if a == 0 else None  # nothing to compare against
+    return a / b
+
+
+def compare(ops: Sequence[Op], capacities: Sequence[int], policies: Sequence[str],
+            expert_bytes: int) -> list[Comparison]:
+    """Belady's MIN and every policy in `policies`, at every capacity, in that order."""
+    sizes = [len(experts) for _, experts in ops]
+    out = []
+    for capacity in capacities:
+        waved = sum(1 for n in sizes if n > capacity)
+        belady = simulate_belady(ops, capacity, expert_bytes)
+        out.append(Comparison(belady, belady, waved))
+        out.extend(Comparison(simulate(ops, capacity, name, expert_bytes), belady, waved) for name in policies)
+    return out

@@ -1,0 +1,390 @@
+"""Routing traces: what every MoE op of a run routed where, recorded, saved, loaded and summarised.
+
+A trace holds, for each MoE op in execution order, the layer, the number of tokens, the phase
+(prefill or decode) and each token's expert ids in router-rank order, plus a header describing the
+model (expert count, layer count, top-k, bytes per expert). On disk it is one compressed `.npz`
+(see docs/traces.md, written so that traces recorded elsewhere can be converted to it). Recording
+only reads the routing: the outputs of a run are the same with and without it.
+
+N = ops, R = routed token rows (the sum of the ops' token counts), K = top-k.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zipfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ExpertCacheError
+
+FORMAT = "expertcache-trace"
+VERSION = 1
+PHASES = ("prefill", "decode")  # the codes 0 and 1 of the `phase` array
+ARRAYS = ("layer", "tokens", "phase", "ids")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceHeader:
+    num_experts: int  # routed experts per MoE layer
+    num_layers: int  # decoder layers, MoE or not
+    moe_layers: tuple[int, ...]  # the layers that have routed experts, ascending
+    top_k: int  # experts per token
+    expert_bytes: int  # bytes of one expert (all its matrices) as the cache holds it
+    model: str = ""  # where the trace came from: a path or a name
+    meta: dict = field(default_factory=dict)  # how it was recorded (free-form, JSON)
+
+    @property
+    def total_experts(self) -> int:
+        return self.num_experts * len(self.moe_layers)
+
+    def as_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "num_experts": self.num_experts,
+                "num_layers": self.num_layers, "moe_layers": list(self.moe_layers), "top_k": self.top_k,
+                "expert_bytes": self.expert_bytes, "model": self.model, "meta": self.meta}
+
+
+@dataclass(frozen=True)
+class Trace:
+    header: TraceHeader
+    layer: np.ndarray  # [N] layer of each op
+    tokens: np.ndarray  # [N] tokens routed by each op
+    phase: np.ndarray  # [N] 0 = prefill, 1 = decode
+    ids: np.ndarray  # [R, K] expert ids of each token, router-rank order; op i owns the next tokens[i] rows
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.layer)
+
+    def decode_tokens(self) -> int:
+        """Tokens decoded: decode ops of the first MoE layer (one per generated token after the first)."""
+        first = self.header.moe_layers[0]
+        return int(self.tokens[(self.phase == 1) & (self.layer == first)].sum())
+
+    def prefill_tokens(self) -> int:
+        first = self.header.moe_layers[0]
+        return int(self.tokens[(self.phase == 0) & (self.layer == first)].sum())
+
+    def used(self) -> np.ndarray:
+        """[N, E] bool: expert e used by op i."""
+        op_of_row = np.repeat(np.arange(self.num_ops), self.tokens)  # [R]
+        used = np.zeros((self.num_ops, self.header.num_experts), dtype=bool)
+        used[op_of_row[:, None], self.ids] = True
+        return used
+
+    def ops(self) -> list[tuple[int, list[int]]]:
+        """Each op as `(layer, sorted distinct expert ids)`: what the cache and the simulator see."""
+        used = self.used()
+        return [(int(layer), np.flatnonzero(row).tolist()) for layer, row in zip(self.layer, used)]
+
+
+# ---- recording ---------------------------------------------------------------------------------
+
+
+class TraceRecorder:
+    """A routing hook that keeps each MoE op's expert ids; `trace()` assembles the result.
+
+    Ops are recorded as prefill; `generate` labels the ops of each call after it returns (the
+    engine's own prefill/decode split, known from the tokens it reports as processed).
+    """
+
+    def __init__(self, header: TraceHeader):
+        self.header = header
+        self._layers: list[int] = []
+        self._ids: list = []  # torch tensors [T, K], kept on their device until `trace()`
+        self._phase: list[int] = []
+
+    @classmethod
+    def for_model(cls, model, meta: dict | None = None) -> TraceRecorder:
+        cfg = model.cfg
+        return cls(TraceHeader(cfg.num_experts, cfg.num_layers, tuple(cfg.moe_layers), cfg.top_k,
+                               int(model.experts.expert_bytes), str(model.path), dict(meta or {})))
+
+    def __call__(self, layer: int, routing) -> None:
+        # A copy, so that nothing the forward does later can change what was recorded; no host
+        # synchronisation here (a GPU run is not slowed op by op).
+        self._layers.append(layer)
+        self._ids.append(routing.ids.detach().clone())
+        self._phase.append(0)
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    @contextmanager
+    def attached(self, model) -> Iterator[TraceRecorder]:
+        """Record every MoE op `model` runs inside the block; the previous hook comes back after."""
+        previous = model.net.routing_hook
+        model.net.routing_hook = self
+        try:
+            yield self
+        finally:
+            model.net.routing_hook = previous
+
+    def generate(self, model, prompt, **kwargs):
+        """`model.generate(prompt, **kwargs)` with this recorder attached; ops labelled by phase."""
+        start = len(self)
+        with self.attached(model):
+            res = model.generate(prompt, **kwargs)
+        self.label(start, res.prompt_tokens - res.cached_tokens)
+        return res
+
+    def label(self, start: int, prefill_tokens: int) -> None:
+        """Ops from `start` on: the forwards that carried the first `prefill_tokens` tokens are
+        prefill, later ones decode. A forward begins at an op of the first MoE layer."""
+        first = self.header.moe_layers[0]
+        seen = 0
+        phase = 0
+        for i in range(start, len(self)):
+            if self._layers[i] == first:
+                phase = 0 if seen < prefill_tokens else 1
+                seen += int(self._ids[i].shape[0])
+            self._phase[i] = phase
+
+    def trace(self) -> Trace:
+        k = self.header.top_k
+        rows = [t.to("cpu").numpy().reshape(-1, k) for t in self._ids]
+        ids = np.concatenate(rows) if rows else np.zeros((0, k), dtype=np.int64)
+        return Trace(self.header, np.asarray(self._layers, dtype=np.int32),
+                     np.asarray([len(r) for r in rows], dtype=np.int32),
+                     np.asarray(self._phase, dtype=np.uint8), ids.astype(_ids_dtype(self.header.num_experts)))
+
+
+def _ids_dtype(num_experts: int) -> type:
+    return np.uint8 if num_experts <= 256 else np.uint16 if num_experts <= 65536 else np.int32
+
+
+# ---- prompt files ------------------------------------------------------------------------------
+
+PROMPT_KINDS = ("prompt", "user", "messages")
+
+
+def parse_prompts(text: str, name: str) -> list[dict]:
+    """A JSONL prompt file: one object per line, `{"prompt": str}`, `{"user": str}` or
+    `{"messages": [{"role", "content"}, ...]}`, each with an optional `"max_tokens"`."""
+    items = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ExpertCacheError(f"{name}:{n}: not valid JSON ({e.msg})") from None
+        kinds = [k for k in PROMPT_KINDS if isinstance(item, dict) and k in item]
+        if len(kinds) != 1:
+            raise ExpertCacheError(f"{name}:{n}: expected an object with exactly one of "
+                                   f"{', '.join(repr(k) for k in PROMPT_KINDS)}")
+        kind = kinds[0]
+        value = item[kind]
+        if kind == "messages":
+            ok = isinstance(value, list) and value and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value)
+        else:
+            ok = isinstance(value, str) and value != ""
+        if not ok:
+            what = "a non-empty list of {role, content} strings" if kind == "messages" else "a non-empty string"
+            raise ExpertCacheError(f"{name}:{n}: {kind!r} must be {what}")
+        max_tokens = item.get("max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 0):
+            raise ExpertCacheError(f"{name}:{n}: 'max_tokens' must be an integer >= 0, got {max_tokens!r}")
+        items.append({"kind": kind, "value": value, "max_tokens": max_tokens})
+    if not items:
+        raise ExpertCacheError(f"{name}: no prompts (expected one JSON object per line)")
+    return items
+
+
+def run_prompts(model, recorder: TraceRecorder, items: Sequence[dict], max_tokens: int,
+                on_result: Callable | None = None, **generate_kwargs) -> list:
+    """Run the items of `parse_prompts` in turn on one session, recording.
+
+    `prompt` is raw text; `messages` starts a new conversation; `user` appends a turn to the
+    running conversation (after the previous reply). Every item generates a reply, which joins the
+    conversation. The session keeps its KV state, so each item prefills only what differs from what
+    the session already holds (the engine reuses the longest common prefix).
+    """
+    session = model.new_session()
+    conversation: list[dict] = []
+    results = []
+    for item in items:
+        if item["kind"] == "prompt":
+            prompt = item["value"]
+            conversation = []
+        else:
+            if item["kind"] == "messages":
+                conversation = [dict(m) for m in item["value"]]
+            else:
+                conversation.append({"role": "user", "content": item["value"]})
+            prompt = model.tokenizer.encode_chat(conversation)
+        n = item["max_tokens"] if item["max_tokens"] is not None else max_tokens
+        res = recorder.generate(model, prompt, max_tokens=n, session=session, **generate_kwargs)
+        if item["kind"] != "prompt":
+            conversation.append({"role": "assistant", "content": res.text})
+        results.append(res)
+        if on_result is not None:
+            on_result(res)
+    return results
+
+
+# ---- files -------------------------------------------------------------------------------------
+
+
+def save_trace(trace: Trace, path: str | Path) -> None:
+    """Write `trace` as a compressed npz (the `.npz` suffix is not added: the path is used as given)."""
+    _check(trace, str(path))
+    header = json.dumps(trace.header.as_json())
+    try:
+        with open(path, "wb") as f:
+            np.savez_compressed(f, header=np.array(header), layer=trace.layer.astype(np.int32),
+                                tokens=trace.tokens.astype(np.int32), phase=trace.phase.astype(np.uint8),
+                                ids=trace.ids)
+    except OSError as e:
+        raise ExpertCacheError(f"cannot write trace {str(path)!r}: {e.strerror}") from None
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read and validate a trace; any problem is one `ExpertCacheError` naming the file."""
+    name = str(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            missing = [k for k in ("header", *ARRAYS) if k not in z.files]
+            if missing:
+                raise ExpertCacheError(f"{name}: not an expertcache trace: missing {', '.join(missing)}")
+            raw = z["header"]
+            arrays = {k: z[k] for k in ARRAYS}
+    except FileNotFoundError:
+        raise ExpertCacheError(f"cannot read trace {name!r}: no such file") from None
+    except IsADirectoryError:
+        raise ExpertCacheError(f"cannot read trace {name!r}: it is a directory") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise ExpertCacheError(f"{name}: not an expertcache trace (a .npz file expected): "
+                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    header = _parse_header(raw, name)
+    for k in ARRAYS:
+        if not np.issubdtype(arrays[k].dtype, np.integer):
+            raise ExpertCacheError(f"{name}: array {k!r} must hold integers, got {arrays[k].dtype}")
+    trace = Trace(header, arrays["layer"], arrays["tokens"], arrays["phase"], arrays["ids"])
+    _check(trace, name)
+    return trace
+
+
+def _parse_header(raw: np.ndarray, name: str) -> TraceHeader:
+    try:
+        h = json.loads(str(raw[()]))
+    except (json.JSONDecodeError, TypeError, IndexError, ValueError):
+        raise ExpertCacheError(f"{name}: the trace header is not a JSON string") from None
+    if not isinstance(h, dict) or h.get("format") != FORMAT:
+        raise ExpertCacheError(f"{name}: not an expertcache trace (header format is not {FORMAT!r})")
+    if h.get("version") != VERSION:
+        raise ExpertCacheError(f"{name}: trace format version {h.get('version')!r} is not supported "
+                               f"(this expertcache reads version {VERSION})")
+    for k in ("num_experts", "num_layers", "top_k", "expert_bytes"):
+        v = h.get(k)
+        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if k == "expert_bytes" else 1):
+            raise ExpertCacheError(f"{name}: header {k!r} must be a positive integer, got {v!r}")
+    layers = h.get("moe_layers")
+    if (not isinstance(layers, list) or not layers or not all(isinstance(x, int) for x in layers)
+            or layers != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= h["num_layers"]):
+        raise ExpertCacheError(f"{name}: header 'moe_layers' must be distinct ascending layer indices "
+                               f"below num_layers={h['num_layers']}, got {layers!r}")
+    if h["top_k"] > h["num_experts"]:
+        raise ExpertCacheError(f"{name}: header top_k={h['top_k']} exceeds num_experts={h['num_experts']}")
+    meta = h.get("meta", {})
+    return TraceHeader(h["num_experts"], h["num_layers"], tuple(layers), h["top_k"], h["expert_bytes"],
+                       str(h.get("model", "")), meta if isinstance(meta, dict) else {})
+
+
+def _check(trace: Trace, name: str) -> None:
+    h = trace.header
+    n = trace.num_ops
+    for k in ("layer", "tokens", "phase"):
+        a = getattr(trace, k)
+        if a.shape != (n,):
+            raise ExpertCacheError(f"{name}: array {k!r} has shape {a.shape}, expected ({n},) like 'layer'")
+    if trace.ids.ndim != 2 or trace.ids.shape[1] != h.top_k:
+        raise ExpertCacheError(f"{name}: array 'ids' has shape {trace.ids.shape}, expected (rows, top_k={h.top_k})")
+    if n == 0:
+        raise ExpertCacheError(f"{name}: the trace has no ops")
+    if trace.tokens.min() < 1:
+        raise ExpertCacheError(f"{name}: op {int(np.argmin(trace.tokens))} routes "
+                               f"{int(trace.tokens.min())} tokens, expected at least 1")
+    if int(trace.tokens.sum()) != len(trace.ids):
+        raise ExpertCacheError(f"{name}: the ops route {int(trace.tokens.sum())} tokens in all but 'ids' "
+                               f"has {len(trace.ids)} rows")
+    bad = ~np.isin(trace.layer, h.moe_layers)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ExpertCacheError(f"{name}: op {i} is on layer {int(trace.layer[i])}, which is not a MoE "
+                               f"layer of the header ({list(h.moe_layers)})")
+    if trace.phase.max() >= len(PHASES):
+        raise ExpertCacheError(f"{name}: 'phase' must be 0 (prefill) or 1 (decode), got {int(trace.phase.max())}")
+    if trace.ids.size and (trace.ids.min() < 0 or trace.ids.max() >= h.num_experts):
+        bad_id = int(trace.ids.max()) if trace.ids.max() >= h.num_experts else int(trace.ids.min())
+        raise ExpertCacheError(f"{name}: expert id {bad_id} out of range: the header says "
+                               f"{h.num_experts} experts per layer")
+
+
+# ---- summaries ---------------------------------------------------------------------------------
+
+
+def select(trace: Trace, phase: str | None) -> np.ndarray:
+    """[N] bool: the ops of `phase` ('prefill', 'decode'; None: all)."""
+    if phase is None:
+        return np.ones(trace.num_ops, dtype=bool)
+    return trace.phase == PHASES.index(phase)
+
+
+def popularity(trace: Trace, phase: str | None = None) -> dict[int, dict]:
+    """Per layer, how skewed expert use is, counting one use per (op, distinct expert):
+    the share of uses that go to the top 10% and 25% of experts, and the entropy of the use
+    distribution in bits (log2(E) when uniform)."""
+    used = trace.used()[select(trace, phase)]  # [n, E]
+    layers = trace.layer[select(trace, phase)]
+    E = trace.header.num_experts
+    out = {}
+    for layer in trace.header.moe_layers:
+        counts = used[layers == layer].sum(axis=0)  # [E]
+        total = int(counts.sum())
+        if total == 0:
+            continue
+        ranked = np.sort(counts)[::-1]
+        p = counts[counts > 0] / total
+        out[layer] = {
+            "uses": total,
+            "top10_share": float(ranked[: max(1, math.ceil(0.10 * E))].sum() / total),
+            "top25_share": float(ranked[: max(1, math.ceil(0.25 * E))].sum() / total),
+            "entropy_bits": float(-(p * np.log2(p)).sum()),
+            "max_entropy_bits": math.log2(E),
+            "unused_experts": int((counts == 0).sum()),
+        }
+    return out
+
+
+def reuse_distances(trace: Trace, phase: str | None = None) -> dict[int, np.ndarray]:
+    """Per layer, for every use of an expert that was used before by an op of that layer: how many
+    ops of that layer ago (1 = the previous op). Counted within the selected ops only."""
+    used = trace.used()[select(trace, phase)]
+    layers = trace.layer[select(trace, phase)]
+    out = {}
+    for layer in trace.header.moe_layers:
+        u = used[layers == layer]  # [n, E]
+        experts, ops = np.nonzero(u.T)  # by expert, then ascending op (row of `u`) within each
+        same = experts[1:] == experts[:-1]
+        out[layer] = (ops[1:] - ops[:-1])[same]
+    return out
+
+
+def reuse_summary(distances: np.ndarray, first_uses: int) -> dict:
+    """Percentiles of reuse distances, and how many uses had none (first uses)."""
+    if len(distances) == 0:
+        return {"reuses": 0, "first_uses": first_uses}
+    q = np.percentile(distances, [50, 75, 90, 99])
+    return {"reuses": int(len(distances)), "first_uses": first_uses, "p50": float(q[0]), "p75": float(q[1]),
+            "p90": float(q[2]), "p99": float(q[3]), "mean": float(distances.mean()),
+            "share_le_1": float((distances <= 1).mean()), "share_le_4": float((distances <= 4).mean()),
+            "share_le_16": float((distances <= 16).mean())}

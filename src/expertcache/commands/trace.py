@@ -1,0 +1,231 @@
+"""`expertcache trace record | simulate | stats`: record routing traces, replay them through the
+runtime's policies against Belady's MIN, and summarise how experts are used."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import ExpertCacheError
+from .common import add_model_flags, nonneg_int, positive_int, read_text_file
+
+DEFAULT_CAPACITIES = "10%,25%,50%,75%"
+
+
+# ---- record ------------------------------------------------------------------------------------
+
+
+def cmd_record(args) -> int:
+    from ..bench.trace import TraceRecorder, parse_prompts, run_prompts, save_trace
+    from ..engine import load
+    from ..sampling import SamplingParams
+
+    items = parse_prompts(read_text_file(args.prompts), args.prompts) if args.prompts else None
+    text = read_text_file(args.file) if args.file else None
+    SamplingParams(args.temp, args.top_k, args.top_p, 0.0, args.seed)  # bad values fail before loading
+    model = load(args.model, device=args.device, dtype=args.dtype, ctx_size=args.ctx_size, threads=args.threads)
+    if model.tokenizer is None:
+        raise ExpertCacheError(f"{model.path}: no tokenizer.json, cannot encode the prompt")
+    gen = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+               ubatch=args.ubatch, ignore_eos=args.ignore_eos)
+    meta = {"source": args.file or args.prompts, "kind": "file" if args.file else "prompts",
+            "max_tokens": args.n_predict, "max_prompt_tokens": args.max_prompt_tokens, **gen,
+            "dtype": str(model.net.dtype).removeprefix("torch."), "device": str(model.net.device)}
+    recorder = TraceRecorder.for_model(model, meta)
+
+    def progress(res) -> None:
+        print(f"[prompt {res.prompt_tokens} tok ({res.cached_tokens} reused), generated "
+              f"{len(res.token_ids)} tok, {res.gen_tps:.1f} tok/s, {res.finish_reason}]", file=sys.stderr)
+
+    if text is not None:
+        ids = model.tokenizer.encode(text)
+        if args.max_prompt_tokens is not None:
+            ids = ids[: args.max_prompt_tokens]
+        progress(recorder.generate(model, ids, max_tokens=args.n_predict, **gen))
+    else:
+        run_prompts(model, recorder, items, args.n_predict, on_result=progress, **gen)
+    trace = recorder.trace()
+    save_trace(trace, args.output)
+    size = Path(args.output).stat().st_size
+    print(f"wrote {args.output}: {trace.num_ops} ops, {trace.prefill_tokens()} prefill and "
+          f"{trace.decode_tokens()} decode tokens, {size:,} bytes")
+    return 0
+
+
+# ---- simulate ----------------------------------------------------------------------------------
+
+
+def _policies(spec: str) -> list[str]:
+    from ..tiers.policy import POLICIES
+
+    if spec == "all":
+        return list(POLICIES)
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown or not names:
+        raise ExpertCacheError(f"unknown policy {', '.join(map(repr, unknown)) or repr(spec)}: expected 'all' "
+                               f"or a comma-separated list of {', '.join(POLICIES)}")
+    return list(dict.fromkeys(names))
+
+
+def cmd_simulate(args) -> int:
+    from ..bench.simulate import compare, parse_capacities
+    from ..bench.trace import load_trace
+    from ..tiers.policy import DEFAULT_POLICY
+
+    policies = _policies(args.policy)
+    trace = load_trace(args.trace)
+    h = trace.header
+    try:
+        capacities = parse_capacities(args.capacity, h.total_experts)
+    except ValueError as e:
+        raise ExpertCacheError(str(e)) from None
+    if args.plot:
+        _check_plot_path(args.plot)
+    ops = trace.ops()
+    rows = compare(ops, [slots for _, slots in capacities], policies, h.expert_bytes)
+
+    print(f"{args.trace}: {trace.num_ops:,} ops ({trace.prefill_tokens():,} prefill tokens, "
+          f"{trace.decode_tokens():,} decode tokens), {len(h.moe_layers)} MoE layers x {h.num_experts} experts "
+          f"= {h.total_experts} experts of {h.expert_bytes:,} bytes, top-{h.top_k}")
+    print(f"{'capacity':>8} {'slots':>5}  {'policy':<8} {'hits':>10} {'misses':>9} {'hit rate':>8} "
+          f"{'bytes moved':>14} {'x MIN':>6} {'x MIN nc':>8}")
+    pct = {slots: 100 * slots / h.total_experts for _, slots in capacities}
+    for row in rows:
+        r = row.result
+        mark = "*" if r.policy == DEFAULT_POLICY else " "
+        print(f"{pct[r.capacity]:>7.1f}% {r.capacity:>5}  {r.policy + mark:<8} {r.hits:>10,} {r.misses:>9,} "
+              f"{r.hit_rate:>8.3f} {r.bytes_moved:>14,} {_fmt(row.misses_vs_belady):>6} "
+              f"{_fmt(row.noncompulsory_vs_belady):>8}")
+    print(f"* default policy ({DEFAULT_POLICY}). x MIN: misses / Belady's misses; x MIN nc: the same over "
+          f"non-compulsory misses (misses minus first uses, {rows[0].result.compulsory_misses:,}).")
+    waved = {row.result.capacity: row.waved_ops for row in rows if row.waved_ops}
+    if waved:
+        print("note: ops larger than the cache ran in waves at " +
+              ", ".join(f"{s} slots ({n:,} ops)" for s, n in waved.items()) +
+              ": there Belady's MIN is not the optimum, and a ratio below 1 means a policy beat it.")
+    if args.plot:
+        _plot(args.plot, args.trace, rows, h.total_experts)
+        print(f"wrote {args.plot}")
+    print(json.dumps({"trace": args.trace, "ops": trace.num_ops, "total_experts": h.total_experts,
+                      "expert_bytes": h.expert_bytes, "default_policy": DEFAULT_POLICY,
+                      "results": [row.as_dict() | {"capacity_pct": pct[row.result.capacity],
+                                                   "default": row.result.policy == DEFAULT_POLICY}
+                                  for row in rows]}))
+    return 0
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _check_plot_path(path: str) -> None:
+    if not path.lower().endswith(".png"):
+        raise ExpertCacheError(f"--plot {path!r}: expected a .png file name")
+    parent = Path(path).parent
+    if not parent.is_dir():
+        raise ExpertCacheError(f"--plot {path!r}: directory {str(parent)!r} does not exist")
+
+
+def _plot(path: str, title: str, rows, total_experts: int) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ExpertCacheError("--plot needs matplotlib (pip install 'expertcache[bench]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from ..tiers.policy import DEFAULT_POLICY
+
+    by_policy: dict[str, list] = {}
+    for row in rows:
+        by_policy.setdefault(row.result.policy, []).append(row.result)
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for name, results in by_policy.items():
+        x = [100 * r.capacity / total_experts for r in results]
+        y = [r.hit_rate for r in results]
+        if name == "belady":
+            ax.plot(x, y, "k--", marker="o", label="Belady MIN", linewidth=2)
+        else:
+            label = f"{name} (default)" if name == DEFAULT_POLICY else name
+            ax.plot(x, y, marker="o", label=label, linewidth=2.5 if name == DEFAULT_POLICY else 1.2)
+    ax.set_xlabel("cache capacity (% of all experts)")
+    ax.set_ylabel("hit rate")
+    ax.set_ylim(0, 1)
+    ax.set_xlim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.set_title(Path(title).name, fontsize=10)
+    ax.legend(loc="lower right", fontsize=9)
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as e:
+        raise ExpertCacheError(f"cannot write {path!r}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
+
+
+# ---- stats -------------------------------------------------------------------------------------
+
+
+def cmd_stats(args) -> int:
+    from ..bench.trace import load_trace, popularity, reuse_distances, reuse_summary
+
+    trace = load_trace(args.trace)
+    phase = None if args.phase == "all" else args.phase
+    pop = popularity(trace, phase)
+    dist = reuse_distances(trace, phase)
+    if not pop:
+        raise ExpertCacheError(f"{args.trace}: no {args.phase} ops in this trace")
+    h = trace.header
+    print(f"{args.trace}: {args.phase} ops; per MoE layer, uses = (op, distinct expert) pairs; "
+          f"reuse distance in ops of the same layer")
+    print(f"{'layer':>5} {'uses':>8} {'top10%':>7} {'top25%':>7} {'entropy':>13} {'unused':>6} "
+          f"{'p50':>5} {'p75':>5} {'p90':>6} {'p99':>6} {'<=1':>5} {'<=4':>5} {'<=16':>5}")
+    layers = {}
+    for layer, p in pop.items():
+        s = reuse_summary(dist[layer], p["uses"] - len(dist[layer]))
+        layers[layer] = p | {"reuse": s}
+        print(f"{layer:>5} {p['uses']:>8,} {p['top10_share']:>7.3f} {p['top25_share']:>7.3f} "
+              f"{p['entropy_bits']:>6.2f}/{p['max_entropy_bits']:<5.2f} {p['unused_experts']:>6} "
+              f"{s.get('p50', 0):>5.0f} {s.get('p75', 0):>5.0f} {s.get('p90', 0):>6.0f} {s.get('p99', 0):>6.0f} "
+              f"{s.get('share_le_1', 0):>5.2f} {s.get('share_le_4', 0):>5.2f} {s.get('share_le_16', 0):>5.2f}")
+    print("top10%/top25%: share of uses that go to the most used 10%/25% of experts (uniform: 0.10/0.25); "
+          f"entropy in bits (uniform: log2({h.num_experts})).")
+    print(json.dumps({"trace": args.trace, "phase": args.phase, "layers": {str(k): v for k, v in layers.items()}}))
+    return 0
+
+
+def register(sub) -> None:
+    t = sub.add_parser("trace", help="record routing traces and replay them through the cache policies")
+    tsub = t.add_subparsers(dest="trace_command", required=True, parser_class=type(t))
+
+    r = tsub.add_parser("record", help="run a model and record the routing of every MoE op")
+    add_model_flags(r)
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("-f", "--file", help="prefill this UTF-8 text file, then decode -n tokens")
+    src.add_argument("--prompts", help="JSONL: one {\"prompt\"|\"user\"|\"messages\": ...} per line, run in turn "
+                                       "on one session (docs/traces.md)")
+    r.add_argument("-n", "--n-predict", type=nonneg_int, default=128, help="tokens to generate per prompt "
+                                                                            "(default: 128)")
+    r.add_argument("--max-prompt-tokens", type=positive_int, help="-f: keep only the file's first N tokens")
+    r.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    r.add_argument("--top-k", type=nonneg_int, default=0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--seed", type=int)
+    r.add_argument("--ignore-eos", action="store_true", help="keep decoding past the end-of-text token")
+    r.add_argument("-o", "--output", required=True, help="trace file to write (.npz)")
+    r.set_defaults(func=cmd_record)
+
+    s = tsub.add_parser("simulate", help="replay a trace through each policy and Belady's MIN")
+    s.add_argument("trace")
+    s.add_argument("--capacity", default=DEFAULT_CAPACITIES,
+                   help=f"comma-separated percentages of all experts or slot counts (default: {DEFAULT_CAPACITIES})")
+    s.add_argument("--policy", default="all", help="'all' (default) or a comma-separated list of policies")
+    s.add_argument("--plot", help="draw hit rate against capacity into this PNG")
+    s.set_defaults(func=cmd_simulate)
+
+    st = tsub.add_parser("stats", help="expert popularity and reuse distances, per layer")
+    st.add_argument("trace")
+    st.add_argument("--phase", choices=("all", "prefill", "decode"), default="all")
+    st.set_defaults(func=cmd_stats)
