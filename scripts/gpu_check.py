@@ -1,0 +1,143 @@
+"""Bit-exactness and cache benchmark on a GPU, from the source tree, with only the core libraries
+(torch, numpy, safetensors, tokenizers, jinja2, tqdm): no pytest, no transformers.
+
+    PYTHONPATH=src python3 scripts/gpu_check.py [--device cuda] [--skip-bench]
+
+1. On a small random checkpoint (fp32 and bf16, unpacked and packed), logits must be bitwise
+   equal to the resident mode's in staging and cache modes at every size, policy and store, and
+   greedy generations identical; overwriting a slot must change the logits (compute reads slots);
+   verify mode must catch a corrupted slot.
+2. On a checkpoint with Qwen3-30B-A3B's layer shapes (2 layers), decode and prefill speed in
+   resident, staging and cache modes at 25/50/75% with the pinned RAM store.
+Prints a table for each; exits 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import expertcache
+from expertcache import CacheConfig, ExpertCacheError
+from expertcache.checkpoint.pack import pack
+from expertcache.checkpoint.synth import synth
+from expertcache.tiers.policy import ExpertKey, POLICIES
+
+
+def exactness(device: str, root: Path) -> list[tuple[str, bool, str]]:
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        plain = synth(root / f"tiny-{dtype}", like="tiny", layers=3, experts=32, top_k=4, vocab=512, dtype=dtype,
+                      progress=False)
+        packed = pack(plain, root / f"tiny-{dtype}-packed", progress=False)
+        ids = torch.randint(0, 512, (96,), generator=torch.Generator().manual_seed(0))
+        base_model = expertcache.load(plain, device=device, cache=CacheConfig(mode="resident"))
+        base = base_model.logits(ids)
+        base_gen = base_model.generate(ids[:16].tolist(), max_tokens=24, ignore_eos=True).token_ids
+        total = 32 * 3
+        configs = [CacheConfig(mode="staging", store=s) for s in ("ram", "mmap", "disk")]
+        configs += [CacheConfig(mode="cache", experts=n, policy=p, store=s)
+                    for n in (1, total // 10, total // 4, total // 2, total)
+                    for p in sorted(POLICIES) for s in ("ram", "mmap", "disk")]
+        n_ok, first_bad = 0, ""
+        for layout, path in (("plain", plain), ("packed", packed)):
+            for cfg in configs:
+                model = expertcache.load(path, device=device, cache=cfg)
+                ok = all(torch.equal(model.logits(ids), base) for _ in range(2))
+                if ok and cfg.experts in (1, total // 4):
+                    ok = model.generate(ids[:16].tolist(), max_tokens=24, ignore_eos=True).token_ids == base_gen
+                n_ok += ok
+                if not ok and not first_bad:
+                    first_bad = f"{layout} {cfg.mode} experts={cfg.experts} {cfg.policy} {cfg.store}"
+        n = 2 * len(configs)
+        rows.append((f"bitwise logits + greedy, {dtype}: {n_ok}/{n} configurations", n_ok == n, first_bad))
+
+        model = expertcache.load(plain, device=device, cache=CacheConfig(mode="cache", verify=True))
+        seen = []
+        model.net.routing_hook = lambda layer, r: seen.append((layer, int(r.ids[0, 0])))
+        before = model.logits(ids)
+        model.net.routing_hook = None
+        layer, expert = seen[0]
+        slot = model.experts.residency.slot_of(ExpertKey(layer, expert))
+        model.experts.pool[slot, 3] += 1
+        try:
+            model.logits(ids)
+            rows.append((f"verify catches a corrupted slot, {dtype}", False, "no error raised"))
+        except ExpertCacheError as e:
+            rows.append((f"verify catches a corrupted slot, {dtype}", f"slot {slot}" in str(e), str(e)))
+        model.experts.config.verify = False
+        rows.append((f"compute reads the slots, {dtype}", not torch.equal(model.logits(ids), before), ""))
+    return rows
+
+
+def bench(device: str, root: Path, threads: int) -> list[dict]:
+    path = synth(root / "qwen3-30b-a3b-2l", like="qwen3-30b-a3b", layers=2, vocab=4096, dtype="bfloat16")
+    out = []
+    prompt = torch.randint(0, 4096, (512,), generator=torch.Generator().manual_seed(1)).tolist()
+    configs = [("resident", None), ("staging", None), ("cache", 0.25), ("cache", 0.5), ("cache", 0.75)]
+    for mode, frac in configs:
+        model = expertcache.load(path, device=device, cache=CacheConfig(mode=mode, fraction=frac, store="ram"),
+                                 ctx_size=1024)
+        model.generate(prompt[:8], max_tokens=4, ignore_eos=True)  # warm-up
+        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        s = model.new_session()
+        sync()
+        t = time.perf_counter()
+        model.prefill(s, prompt)
+        sync()
+        prefill_s = time.perf_counter() - t
+        before = model.telemetry()["total"]
+        tok = prompt[-1]
+        t = time.perf_counter()
+        for _ in range(64):
+            tok = int(model.prefill(s, [tok]).argmax())
+        sync()
+        decode_s = time.perf_counter() - t
+        after = model.telemetry()["total"]
+        used = after["used_experts_unique"] - before["used_experts_unique"]
+        hits = after["resident_hits"] - before["resident_hits"]
+        copied = after["copied_bytes"] - before["copied_bytes"]
+        out.append({"mode": mode, "fraction": frac, "prefill_tok_s": len(prompt) / prefill_s,
+                    "decode_tok_s": 64 / decode_s, "hit_rate": hits / used if used else 0.0,
+                    "copied_mb_per_token": copied / 64 / 1e6})
+        del model
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--skip-bench", action="store_true")
+    args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible to torch", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"device {name}, torch {torch.__version__}, threads {args.threads}")
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        rows = exactness(args.device, Path(tmp))
+        print(f"\n{'check':<64} result  ({time.perf_counter() - t0:.0f} s)")
+        for what, ok, detail in rows:
+            print(f"{what:<64} {'PASS' if ok else 'FAIL'}  {'' if ok else detail}")
+        if not args.skip_bench:
+            t0 = time.perf_counter()
+            res = bench(args.device, Path(tmp), args.threads)
+            print(f"\nQwen3-30B-A3B shapes, 2 layers, bf16, ram store ({time.perf_counter() - t0:.0f} s)")
+            print(f"{'mode':<9}{'capacity':>9}{'prefill 512 t/s':>17}{'decode t/s':>12}{'hit rate':>10}{'MB/token':>10}")
+            for r in res:
+                cap = "all" if r["mode"] == "resident" else ("-" if r["fraction"] is None else f"{r['fraction']:.0%}")
+                print(f"{r['mode']:<9}{cap:>9}{r['prefill_tok_s']:>17.1f}{r['decode_tok_s']:>12.1f}"
+                      f"{r['hit_rate']:>10.3f}{r['copied_mb_per_token']:>10.1f}")
+    return 0 if all(ok for _, ok, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
