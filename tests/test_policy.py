@@ -6,6 +6,7 @@ from expertcache.tiers.policy import (
     ARC,
     DEFAULT_POLICY,
     LFU,
+    LRFU,
     LRU,
     POLICIES,
     S3FIFO,
@@ -49,13 +50,13 @@ def test_expert_key_is_small_typed_and_ordered():
 
 
 def test_registry_and_errors():
-    assert set(POLICIES) == {"lru", "lfu", "s3fifo", "arc"}
+    assert set(POLICIES) == {"lru", "lfu", "s3fifo", "arc", "lrfu"}
     assert "belady" not in POLICIES  # it needs the future
     assert DEFAULT_POLICY == "lru"
     for name, cls in POLICIES.items():
         p = make_policy(name, 4)
         assert isinstance(p, cls) and p.name == name and p.capacity == 4
-    with pytest.raises(ValueError, match=r"'mru'.*arc, lfu, lru, s3fifo"):
+    with pytest.raises(ValueError, match=r"'mru'.*arc, lfu, lrfu, lru, s3fifo"):
         make_policy("mru", 4)
     with pytest.raises(ValueError, match="capacity"):
         make_policy("lru", 0)
@@ -142,6 +143,30 @@ def test_arc_trace_and_adaptation():
     assert [p.list_of(K(e)) for e in (1, 2, 3, 4, 5, 6)] == ["T2", None, "T2", "B1", "B1", "T1"]
 
 
+def test_lrfu_trace_recency_against_frequency():
+    # capacity 2, accesses 1 1 1 2 3, one per op. Half-life 1 op: 1 scores 1, then 1/2 + 1 = 1.5,
+    # then 0.75 + 1 = 1.75 at op 2; 2 scores 1 at op 3. At op 4: 1 has 1.75 / 4 = 0.4375, 2 has
+    # 1 / 2 = 0.5: evict 1 (recency wins). With a half-life of 1e9 ops, 1 has ~3 and 2 ~1: evict 2.
+    p = LRFU(2, half_life=1)
+    assert replay(p, [1, 1, 1, 2, 3]) == [1]
+    assert p.score(K(3)) == 1.0 and p.score(K(1)) == 0.4375 and p.score(K(2)) == 0.5
+    assert replay(LRFU(2, half_life=1e9), [1, 1, 1, 2, 3]) == [2]
+    assert LRFU(4).half_life == 8  # default: 2 x capacity
+
+
+def test_lrfu_remembers_evicted_keys():
+    # capacity 2, no decay to speak of (half-life 1e9 ops), accesses 1 1 2 3 2 4 3:
+    # op 3: {1:2, 2:1} -> evict 2.  op 4: {1:2, 3:1} -> evict 3; 2 comes back with 1 + 1 = 2.
+    # op 5: {1:2 (used at op 1), 2:2 (op 4)} -> evict 1, the older.  op 6: {2:2, 4:1} -> evict 4,
+    # and 3 comes back with 2. LFU forgets 2's count when it is evicted, and evicts it again at op 5.
+    assert replay(LRFU(2, half_life=1e9), [1, 1, 2, 3, 2, 4, 3]) == [2, 3, 1, 4]
+    assert replay(LFU(2, halve_every=1000), [1, 1, 2, 3, 2, 4, 3]) == [2, 3, 2, 4]
+    p = LRFU(2, half_life=1e9)
+    replay(p, [1, 1, 2])
+    p.remove(K(1))  # invalidation leaves no history
+    assert K(1) not in p and p.score(K(1)) == 0.0 and p.score(K(2)) == pytest.approx(1.0)
+
+
 def test_belady_trace():
     # capacity 2, ops 0..5 use 1 2 3 1 2 3.
     # op 2 (3): next uses 1@3, 2@4 -> evict 2.  op 3: 1 hits.
@@ -179,7 +204,8 @@ def test_belady_rejects_a_trace_mismatch():
 # S3-FIFO: at layer 1's first eviction the working set (hit, freq > 0) moves from S to M; the
 # prefill keys (freq 0) are evicted from S into the ghost queue: no decode miss, 12 prefill misses.
 # ARC: the working set is in T2 (seen twice); prefill keys enter T1 and, with p = 0, are evicted
-# from T1. LFU: prefill keys have count 1, the working set 4 or more.
+# from T1. LFU: prefill keys have count 1, the working set 4 or more. LRFU (half-life 16 ops): a
+# prefill key scores about 1, a working-set key used at 3 of the last 12 ops about 2.2.
 LAYERS, EXPERTS, CAPACITY, STEPS = 4, 4, 8, 3
 DECODE = [(layer, [0]) for _ in range(STEPS) for layer in range(LAYERS)]
 PREFILL = [(layer, list(range(EXPERTS))) for layer in range(LAYERS)]
@@ -194,7 +220,7 @@ def misses_by_phase(name: str) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize(
     "name, expected",
-    [("lru", (4, 14, 3)), ("s3fifo", (4, 12, 0)), ("arc", (4, 12, 0)), ("lfu", (4, 12, 0))],
+    [("lru", (4, 14, 3)), ("s3fifo", (4, 12, 0)), ("arc", (4, 12, 0)), ("lfu", (4, 12, 0)), ("lrfu", (4, 12, 0))],
 )
 def test_scan_resistance_prefill_keeps_decode_working_set(name, expected):
     assert misses_by_phase(name) == expected

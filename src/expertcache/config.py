@@ -257,6 +257,13 @@ CACHE_MODES = ("cache", "resident", "staging")
 STORES = ("ram", "mmap", "disk")
 
 
+def _default_policy() -> str:
+    # Imported when a config is made: importing the tiers package here would be circular.
+    from .tiers.policy import DEFAULT_POLICY
+
+    return DEFAULT_POLICY
+
+
 @dataclass(slots=True)
 class CacheConfig:
     """How experts are held: every expert resident, a slot cache over a slow tier, or staging.
@@ -269,7 +276,7 @@ class CacheConfig:
     experts: int | None = None
     mem: int | str | None = None
     fraction: float | None = None
-    policy: str = "lru"
+    policy: str = field(default_factory=_default_policy)
     store: str = "ram"
     verify: bool = False
     extra: dict = field(default_factory=dict)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..config import CACHE_MODES, STORES, CacheConfig
 from ..errors import ExpertCacheError
+from ..tiers.policy import DEFAULT_POLICY, POLICIES
 
 
 class Parser(argparse.ArgumentParser):
@@ -53,7 +54,8 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     size.add_argument("--cache-experts", type=positive_int, help="slots in the cache, in experts")
     size.add_argument("--cache-mem", help="cache size in bytes: 300MB, 2GiB, ...")
     size.add_argument("--cache-fraction", type=float, help="cache size as a fraction of all experts")
-    g.add_argument("--cache-policy", default="lru", help="eviction policy (default: lru)")
+    g.add_argument("--cache-policy", default=DEFAULT_POLICY,
+                   help=f"eviction policy: {', '.join(POLICIES)} (default: {DEFAULT_POLICY})")
     g.add_argument("--store", choices=STORES, default="ram", help="slow tier for experts (default: ram)")
     g.add_argument("--cache-verify", action="store_true", help="checksum every slot on fill and read")
 

@@ -89,13 +89,15 @@ def cmd_simulate(args) -> int:
     print(f"{args.trace}: {trace.num_ops:,} ops ({trace.prefill_tokens():,} prefill tokens, "
           f"{trace.decode_tokens():,} decode tokens), {len(h.moe_layers)} MoE layers x {h.num_experts} experts "
           f"= {h.total_experts} experts of {h.expert_bytes:,} bytes, top-{h.top_k}")
-    print(f"{'capacity':>8} {'slots':>5}  {'policy':<8} {'hits':>10} {'misses':>9} {'hit rate':>8} "
+    print(f"{'capacity':>8} {'slots':>5} {'(%)':>5}  {'policy':<8} {'hits':>10} {'misses':>9} {'hit rate':>8} "
           f"{'bytes moved':>14} {'x MIN':>6} {'x MIN nc':>8}")
     pct = {slots: 100 * slots / h.total_experts for _, slots in capacities}
+    label = {slots: text for text, slots in capacities}
     for row in rows:
         r = row.result
         mark = "*" if r.policy == DEFAULT_POLICY else " "
-        print(f"{pct[r.capacity]:>7.1f}% {r.capacity:>5}  {r.policy + mark:<8} {r.hits:>10,} {r.misses:>9,} "
+        print(f"{label[r.capacity]:>8} {r.capacity:>5} {pct[r.capacity]:>5.1f}  {r.policy + mark:<8} "
+              f"{r.hits:>10,} {r.misses:>9,} "
               f"{r.hit_rate:>8.3f} {r.bytes_moved:>14,} {_fmt(row.misses_vs_belady):>6} "
               f"{_fmt(row.noncompulsory_vs_belady):>8}")
     print(f"* default policy ({DEFAULT_POLICY}). x MIN: misses / Belady's misses; x MIN nc: the same over "
@@ -110,7 +112,8 @@ def cmd_simulate(args) -> int:
         print(f"wrote {args.plot}")
     print(json.dumps({"trace": args.trace, "ops": trace.num_ops, "total_experts": h.total_experts,
                       "expert_bytes": h.expert_bytes, "default_policy": DEFAULT_POLICY,
-                      "results": [row.as_dict() | {"capacity_pct": pct[row.result.capacity],
+                      "results": [row.as_dict() | {"capacity_spec": label[row.result.capacity],
+                                                   "capacity_pct": pct[row.result.capacity],
                                                    "default": row.result.policy == DEFAULT_POLICY}
                                   for row in rows]}))
     return 0

@@ -15,6 +15,7 @@ optimum on a recorded trace: it needs the future, so it is not in the registry.
 from __future__ import annotations
 
 import heapq
+import math
 from abc import ABC, abstractmethod
 from bisect import bisect_right
 from collections import OrderedDict
@@ -385,6 +386,92 @@ class ARC(Policy):
             del self._t2[key]
 
 
+class LRFU(Policy):
+    """Least recently/frequently used (after Lee et al., IEEE ToC 2001), remembering every key.
+
+    Each key has a score, the sum over its past uses of 2^(-age / half_life), age in ops (the op
+    index of `begin_op`): a use adds 1 and the score halves every `half_life` ops (default
+    2 x capacity). Evicts the resident, unpinned key with the lowest score; ties go to the least
+    recently used, then the smaller key. A short half-life makes it LRU, a long one LFU.
+
+    Unlike `LFU`, scores survive eviction: the key space of a model is small and bounded (its
+    experts), so every key's history is kept, and an expert that a layer keeps coming back to
+    keeps its standing even when a working set larger than the cache (a decode step through all
+    layers) pushed it out once. This is what lets it keep each layer's popular experts where LRU
+    cycles through all of them and hits nothing. A scan (a prefill op touching every expert) adds
+    1 to every key alike and reorders little. O(log n) per call: scores decay at one rate, so
+    order is kept in a heap by log2(score) + op / half_life, which does not change with time.
+    """
+
+    name = "lrfu"
+
+    def __init__(self, capacity: int, half_life: float | None = None) -> None:
+        if half_life is not None and not (isinstance(half_life, (int, float)) and half_life > 0):
+            raise ValueError(f"LRFU half_life must be a number > 0, got {half_life!r}")
+        self._half_life = half_life
+        super().__init__(capacity)
+
+    def _reset_state(self) -> None:
+        self.half_life = float(self._half_life or 2 * self.capacity)
+        self._op = 0
+        self._history: dict[ExpertKey, tuple[float, int]] = {}  # every key seen: (score at last use, op)
+        self._rank: dict[ExpertKey, tuple[float, int]] = {}  # resident keys: (time-free rank, last op)
+        self._heap: list[tuple[float, int, ExpertKey]] = []  # (rank, last op, key), lazily stale
+
+    def __len__(self) -> int:
+        return len(self._rank)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._rank
+
+    def begin_op(self, op_index: int) -> None:
+        self._op = op_index
+
+    def score(self, key: ExpertKey) -> float:
+        """The key's score now (0 if never used)."""
+        score, last = self._history.get(key, (0.0, self._op))
+        return score * 2.0 ** (-(self._op - last) / self.half_life)
+
+    def hit(self, key: ExpertKey) -> None:
+        assert key in self._rank, key
+        self._use(key)
+
+    def insert(self, key: ExpertKey) -> None:
+        assert key not in self._rank, key
+        self._use(key)
+
+    def _use(self, key: ExpertKey) -> None:
+        score = self.score(key) + 1.0
+        self._history[key] = (score, self._op)
+        entry = (math.log2(score) + self._op / self.half_life, self._op)
+        self._rank[key] = entry
+        heapq.heappush(self._heap, (*entry, key))
+        if len(self._heap) > 4 * len(self._rank) + 64:
+            self._heap = [(*e, k) for k, e in self._rank.items()]
+            heapq.heapify(self._heap)
+
+    def evict(self, pinned: Set[ExpertKey]) -> ExpertKey:
+        self._check_evictable(pinned)
+        aside = []
+        while True:
+            entry = heapq.heappop(self._heap)
+            key = entry[2]
+            if self._rank.get(key) != entry[:2]:
+                continue  # stale: used again since, or evicted
+            if key in pinned:
+                aside.append(entry)
+                continue
+            break
+        for e in aside:
+            heapq.heappush(self._heap, e)
+        del self._rank[key]
+        return key
+
+    def remove(self, key: ExpertKey) -> None:
+        del self._rank[key]
+        self._history.pop(key, None)
+
+
 def _first_unpinned(order: Iterable[ExpertKey], pinned: Set[ExpertKey]) -> ExpertKey | None:
     return next((k for k in order if k not in pinned), None)
 
@@ -482,7 +569,7 @@ class Belady(Policy):
 
 
 DEFAULT_POLICY = "lru"
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (LRU, LFU, S3FIFO, ARC)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (LRU, LFU, S3FIFO, ARC, LRFU)}
 
 
 def make_policy(name: str, capacity: int) -> Policy:
