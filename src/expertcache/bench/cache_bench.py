@@ -10,7 +10,6 @@ or copy bandwidth is cache bandwidth.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

@@ -16,24 +16,22 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(minimum: int, text: str) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+    if v < minimum:
+        raise argparse.ArgumentTypeError(f"{v} must be at least {minimum}" if minimum else f"{v} must be >= 0")
     return v
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(1, text)
 
 
 def nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
-    return v
+    return _int_at_least(0, text)
 
 
 def add_model_flags(p: argparse.ArgumentParser, ctx: bool = True) -> None:
