@@ -249,9 +249,10 @@ def _fmt(v) -> str:
     return "-" if v is None else str(v)
 
 
-def print_table(rows: list[dict], out=sys.stdout) -> None:
+def print_table(rows: list[dict], out=None) -> None:
     if not rows:
         return
+    out = out or sys.stdout
     cols = list(rows[0])
     cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
