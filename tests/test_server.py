@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import socket
 import threading
@@ -19,10 +20,10 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
-import expertcache  # noqa: E402
-from expertcache import CacheConfig, cli  # noqa: E402
-from expertcache.server.app import create_app  # noqa: E402
-from expertcache.server.slots import Slot, choose_slot  # noqa: E402
+import expertcache
+from expertcache import CacheConfig, cli
+from expertcache.server.app import create_app
+from expertcache.server.slots import Slot, choose_slot
 
 CTX = 384
 TIMEOUT = 30.0
@@ -170,8 +171,7 @@ def test_prompt_cache_reuses_and_changes_nothing(live, ckpt, ref):
         assert on_t["prompt_n"] + on_t["cache_n"] == len(ids)
         assert on_u["prompt_tokens_details"]["cached_tokens"] == on_t["cache_n"]
         if i > 0:  # the conversation so far is reused
-            prev_ids, prev_text = results["on"][i - 1][0], results["on"][i - 1][1]
-            assert on_t["cache_n"] >= len(prev_ids)
+            assert on_t["cache_n"] >= len(results["on"][i - 1][0])
         # Greedy text agrees wherever the reference's top-2 margin is clear.
         on_ids, off_ids = ref.tokenizer.encode(on_text, False), ref.tokenizer.encode(off_text, False)
         n = _clear_prefix(ref, ids, off_ids)
@@ -364,7 +364,7 @@ def test_bench_serve_suites(live):
                         "--target-ctx", "120"])
     assert "text: " in text and res["suite"] == "turns" and res["turns"] >= 2
     rows = res["rows"]
-    assert all(b["cached"] >= a["prompt_tokens"] for a, b in zip(rows, rows[1:]))  # the conversation is reused
+    assert all(b["cached"] >= a["prompt_tokens"] for a, b in itertools.pairwise(rows))  # the conversation is reused
     assert all(r["processed"] < r["prompt_tokens"] for r in res["rows"][1:])
 
     _, res = _bench(["--url", live.url, "--suite", "prefill", "--prompt-tokens", "100", "--max-tokens", "4"])
@@ -374,3 +374,12 @@ def test_bench_serve_suites(live):
                      "--duration", "0.5", "--warmup", "1"])
     assert res["requests"] >= 1 and res["completion_tokens"] == 4 * res["requests"]
     assert res["total_tps"] > 0 and res["mean_latency_s"] > 0
+
+
+def test_bench_serve_compare_starts_our_server_in_each_mode(ckpt):
+    text, res = _bench(["-m", str(ckpt), "--compare", "staging,cache", "--cache-fraction", "0.5", "-t", "1",
+                        "-c", "256", "--suite", "prefill", "--prompt-tokens", "64", "--max-tokens", "4",
+                        "--startup-timeout", "120"])
+    assert set(res["modes"]) == {"staging", "cache"} and "deltas (staging is the control)" in text
+    assert res["modes"]["staging"]["cache_hit_rate"] == 0.0 and res["modes"]["cache"]["cache_hit_rate"] > 0
+    assert {r["metric"] for r in res["deltas"]} >= {"latency_s", "prompt_tps"}

@@ -158,21 +158,29 @@ def suite_steady(client: Client, text: str, model: str, prompt_tokens: int, max_
     i = warmup
     while time.perf_counter() - t0 < duration:
         r = request(i)
-        tps, processed, cached = _prompt_tps(r)
+        t = r["timings"] or {}
         rows.append({"latency_s": r["latency"], "ttft_s": r["ttft"], "prompt_tokens": r["usage"].get("prompt_tokens", 0),
-                     "completion_tokens": r["usage"].get("completion_tokens", 0), "prompt_tps": tps,
-                     "predicted_tps": (r["timings"] or {}).get("predicted_per_second")})
+                     "completion_tokens": r["usage"].get("completion_tokens", 0),
+                     "prompt_n": t.get("prompt_n"), "prompt_ms": t.get("prompt_ms"),
+                     "predicted_n": t.get("predicted_n"), "predicted_ms": t.get("predicted_ms")})
         i += 1
     elapsed = time.perf_counter() - t0
     p = sum(x["prompt_tokens"] for x in rows)
     c = sum(x["completion_tokens"] for x in rows)
     n = len(rows)
-    gen = [x["predicted_tps"] for x in rows if x["predicted_tps"]]
     return {"requests": n, "seconds": elapsed, "prompt_tokens": p, "completion_tokens": c,
             "prompt_tps": p / elapsed, "completion_tps": c / elapsed, "total_tps": (p + c) / elapsed,
             "mean_latency_s": sum(x["latency_s"] for x in rows) / n, "mean_ttft_s": sum(x["ttft_s"] for x in rows) / n,
-            "server_prompt_tps": sum(x["prompt_tps"] for x in rows) / n,
-            "server_predicted_tps": sum(gen) / len(gen) if gen else None}
+            # The server's own figures (llama-server's timings), when it reports them.
+            "server_prompt_tps": _rate(rows, "prompt_n", "prompt_ms"),
+            "server_predicted_tps": _rate(rows, "predicted_n", "predicted_ms")}
+
+
+def _rate(rows: list[dict], n: str, ms: str) -> float | None:
+    if any(r[n] is None or r[ms] is None for r in rows):
+        return None
+    total_ms = sum(r[ms] for r in rows)
+    return sum(r[n] for r in rows) / (total_ms / 1e3) if total_ms > 0 else None
 
 
 def suite_prefill(client: Client, text: str, model: str, prompt_tokens: int, max_tokens: int) -> dict:

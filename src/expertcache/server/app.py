@@ -129,7 +129,7 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
             while not done:
                 try:
                     item = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if await request.is_disconnected():
                         return Response(status_code=499)  # nobody reads it; `finally` cancels the job
                     continue

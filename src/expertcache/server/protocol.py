@@ -5,6 +5,7 @@ JSON of responses and stream chunks."""
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 
@@ -68,7 +69,7 @@ def get_number(body: dict, name: str, default: float, lo: float, hi: float, lo_o
         return default
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise ApiError(f"'{name}' must be a number, got {_type_name(v)} {v!r}", param=name)
-    if v != v or v < lo or (lo_open and v == lo) or v > hi:
+    if math.isnan(v) or v < lo or (lo_open and v == lo) or v > hi:
         interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
         raise ApiError(f"'{name}' is {v}; it must be in {interval}", param=name)
     return float(v)
@@ -131,16 +132,16 @@ def sampling(body: dict, ctx: int, prompt_tokens: int) -> dict:
     max_tokens = get_int(body, name, None, lo=0, hi=ctx)
     if max_tokens is None:  # as llama-server and vLLM: up to the end of the context
         max_tokens = max(0, ctx - prompt_tokens)
-    return dict(
-        max_tokens=max_tokens,
-        temperature=get_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=get_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=get_int(body, "top_k", 0, lo=0),
-        min_p=get_number(body, "min_p", 0.0, 0.0, 1.0),
-        seed=get_int(body, "seed", None),
-        stop=get_stop(body),
-        ignore_eos=get_bool(body, "ignore_eos", False),
-    )
+    return {
+        "max_tokens": max_tokens,
+        "temperature": get_number(body, "temperature", 1.0, 0.0, 2.0),
+        "top_p": get_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        "top_k": get_int(body, "top_k", 0, lo=0),
+        "min_p": get_number(body, "min_p", 0.0, 0.0, 1.0),
+        "seed": get_int(body, "seed", None),
+        "stop": get_stop(body),
+        "ignore_eos": get_bool(body, "ignore_eos", False),
+    }
 
 
 # ---- prompts ----

@@ -172,7 +172,7 @@ class Scheduler:
 
         try:
             res = self.model.generate(job.ids, session=slot.session, on_text=on_text, **job.gen)
-        except Exception as e:  # reported to the waiting request; the worker keeps serving
+        except Exception as e:  # noqa: BLE001 - reported to the waiting request; the worker keeps serving
             slot.session.truncate(0)  # the KV state may be half-written
             with self._lock:
                 self.stats.errors += 1
