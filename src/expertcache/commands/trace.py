@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ExpertCacheError
-from .common import add_model_flags, nonneg_int, positive_int, read_text_file
+from .common import add_cache_flags, add_model_flags, load_model, nonneg_int, positive_int, read_text_file
 
 DEFAULT_CAPACITIES = "10%,25%,50%,75%"
 
@@ -18,13 +18,12 @@ DEFAULT_CAPACITIES = "10%,25%,50%,75%"
 
 def cmd_record(args) -> int:
     from ..bench.trace import TraceRecorder, parse_prompts, run_prompts, save_trace
-    from ..engine import load
     from ..sampling import SamplingParams
 
     items = parse_prompts(read_text_file(args.prompts), args.prompts) if args.prompts else None
     text = read_text_file(args.file) if args.file else None
     SamplingParams(args.temp, args.top_k, args.top_p, 0.0, args.seed)  # bad values fail before loading
-    model = load(args.model, device=args.device, dtype=args.dtype, ctx_size=args.ctx_size, threads=args.threads)
+    model = load_model(args)  # the cache flags only matter for memory: routing does not depend on them
     if model.tokenizer is None:
         raise ExpertCacheError(f"{model.path}: no tokenizer.json, cannot encode the prompt")
     gen = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -90,7 +89,7 @@ def cmd_simulate(args) -> int:
           f"{trace.decode_tokens():,} decode tokens), {len(h.moe_layers)} MoE layers x {h.num_experts} experts "
           f"= {h.total_experts} experts of {h.expert_bytes:,} bytes, top-{h.top_k}")
     print(f"{'capacity':>8} {'slots':>5} {'(%)':>5}  {'policy':<8} {'hits':>10} {'misses':>9} {'hit rate':>8} "
-          f"{'bytes moved':>14} {'x MIN':>6} {'x MIN nc':>8}")
+          f"{'bytes moved':>16} {'x MIN':>6} {'x MIN nc':>8}")
     pct = {slots: 100 * slots / h.total_experts for _, slots in capacities}
     label = {slots: text for text, slots in capacities}
     for row in rows:
@@ -98,7 +97,7 @@ def cmd_simulate(args) -> int:
         mark = "*" if r.policy == DEFAULT_POLICY else " "
         print(f"{label[r.capacity]:>8} {r.capacity:>5} {pct[r.capacity]:>5.1f}  {r.policy + mark:<8} "
               f"{r.hits:>10,} {r.misses:>9,} "
-              f"{r.hit_rate:>8.3f} {r.bytes_moved:>14,} {_fmt(row.misses_vs_belady):>6} "
+              f"{r.hit_rate:>8.3f} {r.bytes_moved:>16,} {_fmt(row.misses_vs_belady):>6} "
               f"{_fmt(row.noncompulsory_vs_belady):>8}")
     print(f"* default policy ({DEFAULT_POLICY}). x MIN: misses / Belady's misses; x MIN nc: the same over "
           f"non-compulsory misses (misses minus first uses, {rows[0].result.compulsory_misses:,}).")
@@ -205,6 +204,7 @@ def register(sub) -> None:
 
     r = tsub.add_parser("record", help="run a model and record the routing of every MoE op")
     add_model_flags(r)
+    add_cache_flags(r)
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument("-f", "--file", help="prefill this UTF-8 text file, then decode -n tokens")
     src.add_argument("--prompts", help="JSONL: one {\"prompt\"|\"user\"|\"messages\": ...} per line, run in turn "
