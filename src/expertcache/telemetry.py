@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections import Counter
 
 OP_COUNTERS = (
@@ -82,3 +83,23 @@ class Telemetry:
             "load_copied_bytes": self.load_copied_bytes,
             "copy_seconds": self.copy_seconds,
         }
+
+
+class StepTimer:
+    """Wall time per part of a forward (routing, attention, experts, rest), for `bench speed`.
+
+    `lap(name)` charges the time since the previous lap to `name`. On a GPU the caller must
+    synchronise for the split to mean anything; the benchmark runs on the CPU.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now

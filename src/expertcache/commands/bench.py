@@ -8,11 +8,11 @@ import importlib
 from .common import Parser
 
 # Modules under `expertcache.bench` that each have `add_parser(bench_subparsers)`.
-SUITES = ("cache_bench", "serve")
+SUITES = ("cache_bench", "serve", "speed")
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: cache (cache modes and sizes), serve (an OpenAI-compatible server)")
+    p = sub.add_parser("bench", help="benchmarks: cache (cache modes and sizes), serve (an OpenAI-compatible server), speed (decode/prefill vs the machine)")
     suites = p.add_subparsers(dest="suite", required=True, parser_class=Parser)
     for name in SUITES:
         importlib.import_module(f"expertcache.bench.{name}").add_parser(suites)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..telemetry import StepTimer
 from .layers import AttentionWeights, KVCache, MLPWeights, Rotary, attention, rms_norm, swiglu
 from .moe import ExpertProvider, Routing, moe_experts, route
 
@@ -57,6 +58,10 @@ class MoEArch:
     router_weights_fp32: bool = False  # Mixtral keeps routing weights in fp32
 
 
+def _no_lap(name: str) -> None:
+    pass
+
+
 # A hook that sees each MoE op's routing: (layer, routing). Used to record routing traces.
 RoutingHook = Callable[[int, Routing], None]
 
@@ -75,6 +80,8 @@ class MoEModel:
         self.routing_hook: RoutingHook | None = None
         # A hook that forces routing (benchmarks replay recorded traces): (layer, routing) -> routing.
         self.routing_override: Callable[[int, Routing], Routing] | None = None
+        # Set by benchmarks to split a step's time into parts; None costs nothing.
+        self.timer: StepTimer | None = None
 
     def new_kv(self, max_len: int) -> KVCache:
         return KVCache(self.cfg, max_len, self.device, self.dtype)
@@ -83,6 +90,9 @@ class MoEModel:
     def forward(self, tokens: torch.Tensor, kv: KVCache, all_logits: bool = True) -> torch.Tensor:
         """Run tokens [T] after what `kv` holds; return logits [T, V] (or [1, V] for the last)."""
         cfg = self.cfg
+        lap = self.timer.lap if self.timer is not None else _no_lap
+        if self.timer is not None:
+            self.timer.start()
         T = tokens.shape[0]
         positions = torch.arange(kv.length, kv.length + T, device=self.device)
         cos, sin = self.rotary(positions, self.dtype)
@@ -90,21 +100,27 @@ class MoEModel:
         for i, lw in enumerate(self.layers):
             h = h + attention(cfg, lw.attn, rms_norm(h, lw.input_norm, cfg.rms_norm_eps), i, kv, cos, sin)
             x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
+            lap("attention")
             if lw.router is None:
                 h = h + swiglu(x, lw.dense.gate_up, lw.dense.down)
+                lap("dense_mlp")
                 continue
             routing = route(x, lw.router, cfg.top_k, cfg.norm_topk_prob, self.arch.router_weights_fp32)
             if self.routing_override is not None:
                 routing = self.routing_override(i, routing)
             if self.routing_hook is not None:
                 self.routing_hook(i, routing)
+            lap("routing")
             y = moe_experts(x, routing, self.provider, i, cfg.num_experts)
             if lw.shared is not None:
                 shared = swiglu(x, lw.shared.gate_up, lw.shared.down)       # [T, D]
                 y = y + torch.sigmoid(F.linear(x, lw.shared_gate)) * shared  # [T, D]
             h = h + y
+            lap("experts")
         kv.advance(T)
         if not all_logits:
             h = h[-1:]
         h = rms_norm(h, self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head)  # [T, V]
+        logits = F.linear(h, self.lm_head)  # [T, V]
+        lap("lm_head")
+        return logits

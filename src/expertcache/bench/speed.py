@@ -1,0 +1,305 @@
+"""`expertcache bench speed`: decode and prefill speed, where the time goes, and how close it is
+to what the machine can do.
+
+- Decode (batch 1, after a prompt): tok/s, time per token split into routing, attention,
+  experts, copies and the rest, and the achieved weight-read bandwidth as a fraction of a read
+  bandwidth measured here on buffers far larger than the last-level cache.
+- Prefill (256, 512, 2048 tokens): tok/s and achieved matrix FLOP/s as a fraction of a measured
+  matrix-product rate in the model's dtype.
+- `resident` mode and `cache` mode at 25/50/75% (and `staging`) with the `ram` store; for cache
+  and staging, the decode bound `resident time + missed bytes / measured copy bandwidth` and the
+  ratio of the measured time to it.
+- The per-token cost outside the matrix products (Python, dispatch, bookkeeping), from the torch
+  profiler, and the cache's own bookkeeping per MoE op as a fraction of the step.
+- `--vs-llamacpp FILE.gguf` runs llama.cpp (llama-cpp-python) on the same weights in the same run.
+Table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+PREFILLS = (256, 512, 2048)
+
+
+def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
+    """Bytes/s of a streaming read (a sum) over a buffer far larger than the last-level cache."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = 0.0
+    for _ in range(4):
+        t = time.perf_counter()
+        buf.sum()
+        best = max(best, nbytes / (time.perf_counter() - t))
+    return best
+
+
+def measure_copy_bandwidth(nbytes: int = 1 << 29) -> float:
+    """Bytes/s copied host to host (what a slot fill from the `ram` store does), counting bytes copied."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = 0.0
+    for _ in range(4):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = max(best, nbytes / (time.perf_counter() - t))
+    return best
+
+
+def measure_matmul_rate(hidden: int, inter: int, dtype: torch.dtype) -> float:
+    """FLOP/s of a [512 x hidden] x [hidden x 2*inter] product in the model's dtype."""
+    x = torch.randn(512, hidden).to(dtype)
+    w = torch.randn(2 * inter, hidden).to(dtype)
+    torch.nn.functional.linear(x, w)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        best = max(best, 2 * 512 * hidden * 2 * inter / (time.perf_counter() - t))
+    return best
+
+
+def weight_bytes_per_token(model) -> dict:
+    """Bytes of weights one decode step reads: dense parts, top-k experts per MoE layer, LM head."""
+    cfg, net = model.cfg, model.net
+    dense = 0
+    for lw in net.layers:
+        a = lw.attn
+        dense += sum(t.numel() * t.element_size() for t in (a.q, a.k, a.v, a.o) if t is not None)
+        if lw.router is not None:
+            dense += lw.router.numel() * lw.router.element_size()
+        for mlp in (lw.dense, lw.shared):
+            if mlp is not None:
+                dense += (mlp.gate_up.numel() + mlp.down.numel()) * mlp.down.element_size()
+    experts = len(cfg.moe_layers) * cfg.top_k * model.experts.expert_bytes
+    head = net.lm_head.numel() * net.lm_head.element_size()
+    return {"dense": dense, "experts": experts, "lm_head": head, "total": dense + experts + head}
+
+
+def matmul_flops_per_token(model) -> int:
+    """Matrix FLOPs per prompt token (2 x active weights, without the LM head: prefill keeps one row)."""
+    b = weight_bytes_per_token(model)
+    itemsize = model.net.dtype.itemsize
+    return 2 * (b["dense"] + b["experts"]) // itemsize
+
+
+def _decode(model, prompt: list[int], n: int) -> dict:
+    from ..telemetry import StepTimer
+
+    s = model.new_session()
+    model.prefill(s, prompt)
+    tok = prompt[-1]
+    before = model.telemetry()
+    timer = StepTimer()
+    model.net.timer = timer
+    t = time.perf_counter()
+    for _ in range(n):
+        tok = int(model.prefill(s, [tok]).argmax())
+    wall = time.perf_counter() - t
+    model.net.timer = None
+    after = model.telemetry()
+    copies = after["copy_seconds"] - before["copy_seconds"]
+    parts = {k: v / n for k, v in timer.seconds.items()}
+    parts["experts"] = parts.get("experts", 0.0) - copies / n
+    parts["copies"] = copies / n
+    parts["rest"] = wall / n - sum(v for k, v in parts.items())
+    missed = after["total"]["copied_bytes"] - before["total"]["copied_bytes"]
+    hits = after["total"]["resident_hits"] - before["total"]["resident_hits"]
+    used = after["total"]["used_experts_unique"] - before["total"]["used_experts_unique"]
+    return {"tok_s": n / wall, "ms_per_token": 1e3 * wall / n,
+            "split_ms": {k: 1e3 * v for k, v in parts.items()},
+            "missed_bytes_per_token": missed / n, "hit_rate": hits / used if used else 0.0}
+
+
+def _prefill(model, prompt: list[int], ubatch: int) -> dict:
+    s = model.new_session()
+    t = time.perf_counter()
+    model.prefill(s, prompt, ubatch)
+    wall = time.perf_counter() - t
+    return {"tokens": len(prompt), "tok_s": len(prompt) / wall, "seconds": wall}
+
+
+def overhead_profile(model, prompt: list[int], n: int = 16) -> dict:
+    """Decode step time outside the matrix products, and the cache's bookkeeping per MoE op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    s = model.new_session()
+    model.prefill(s, prompt)
+    tok = prompt[-1]
+    residency = model.experts.residency
+    plan, spent = residency.plan, [0.0, 0]
+
+    def timed_plan(*a, **k):
+        t = time.perf_counter()
+        out = plan(*a, **k)
+        spent[0] += time.perf_counter() - t
+        spent[1] += 1
+        return out
+
+    residency.plan = timed_plan
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t = time.perf_counter()
+            for _ in range(n):
+                tok = int(model.prefill(s, [tok]).argmax())
+            wall = time.perf_counter() - t
+    finally:
+        del residency.plan
+    mm = sum(e.self_cpu_time_total for e in prof.key_averages()
+             if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_scaled_dot_product_flash_attention_for_cpu")) / 1e6
+    step = wall / n
+    return {"step_ms": 1e3 * step, "matmul_ms": 1e3 * mm / n, "outside_matmul_ms": 1e3 * (step - mm / n),
+            "outside_matmul_fraction": 1 - (mm / n) / step,
+            "bookkeeping_us_per_op": 1e6 * spent[0] / max(spent[1], 1),
+            "bookkeeping_fraction_of_step": spent[0] / wall,
+            "note": "profiled steps run slower than unprofiled ones; compare fractions, not times"}
+
+
+def llamacpp_speed(gguf: str, threads: int, prompt: list[int], decode: int, prefills: tuple[int, ...]) -> dict:
+    from ..errors import ExpertCacheError
+
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise ExpertCacheError("--vs-llamacpp needs llama-cpp-python (pip install llama-cpp-python)") from None
+    llm = Llama(model_path=gguf, n_ctx=max(prefills) + decode + 8, n_threads=threads, n_threads_batch=threads,
+                n_batch=512, n_ubatch=512, verbose=False)
+    out = {"prefill": {}}
+    for p in prefills:
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(prompt[:p])
+        out["prefill"][str(p)] = p / (time.perf_counter() - t)
+    llm.reset()
+    llm.eval(prompt[:64])
+    tok = prompt[64]
+    t = time.perf_counter()
+    for _ in range(decode):
+        llm.eval([tok])
+        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+    out["decode_tok_s"] = decode / (time.perf_counter() - t)
+    return out
+
+
+def run(args) -> dict:
+    import expertcache
+    from expertcache import CacheConfig
+
+    torch.set_num_threads(args.threads)
+    configs = [("resident", None)] + [("cache", f) for f in args.fractions] + [("staging", None)]
+    gen = torch.Generator().manual_seed(0)
+    machine = {"read_bw": measure_read_bandwidth(args.threads), "copy_bw": measure_copy_bandwidth()}
+    results = []
+    prompt: list[int] = []
+    bar = tqdm(configs, desc="bench speed", unit="config", file=sys.stderr)
+    for mode, frac in bar:
+        model = expertcache.load(args.model, dtype=args.dtype, cache=CacheConfig(mode=mode, fraction=frac, store="ram"),
+                                 ctx_size=max(args.prefill) + args.decode + 72)
+        if "matmul_rate" not in machine:
+            machine["matmul_rate"] = measure_matmul_rate(model.cfg.hidden_size, model.cfg.moe_intermediate_size,
+                                                         model.net.dtype)
+        prompt = torch.randint(0, model.cfg.vocab_size, (max(args.prefill) + 64,), generator=gen).tolist()
+        model.generate(prompt[:16], max_tokens=4, ignore_eos=True)  # warm-up
+        row = {"mode": mode, "fraction": frac, "capacity": model.experts.capacity,
+               "decode": _decode(model, prompt[:64], args.decode),
+               "prefill": {str(p): _prefill(model, prompt[:p], args.ubatch) for p in args.prefill}}
+        bpt = weight_bytes_per_token(model)
+        d = row["decode"]
+        d["read_gb_s"] = bpt["total"] * d["tok_s"] / 1e9
+        d["read_fraction"] = d["read_gb_s"] * 1e9 / machine["read_bw"]
+        flops = matmul_flops_per_token(model)
+        for p in row["prefill"].values():
+            p["gflop_s"] = flops * p["tok_s"] / 1e9
+            p["matmul_fraction"] = p["gflop_s"] * 1e9 / machine["matmul_rate"]
+        if mode == "resident":
+            row["overhead"] = overhead_profile(model, prompt[:64])
+            row["weight_bytes_per_token"] = bpt
+        results.append(row)
+        del model
+        gc.collect()
+    base = results[0]["decode"]["ms_per_token"]
+    for r in results[1:]:
+        d = r["decode"]
+        bound = base + 1e3 * d["missed_bytes_per_token"] / machine["copy_bw"]
+        d["bound_ms_per_token"] = bound
+        d["ratio_to_bound"] = d["ms_per_token"] / bound
+    out = {"bench": "speed", "model": str(args.model), "threads": args.threads, "machine": machine,
+           "results": results}
+    if args.vs_llamacpp:
+        lc = llamacpp_speed(args.vs_llamacpp, args.threads, prompt, args.decode, tuple(args.prefill))
+        res = results[0]
+        lc["ratios"] = {"decode": res["decode"]["tok_s"] / lc["decode_tok_s"],
+                        **{f"prefill_{p}": res["prefill"][p]["tok_s"] / v for p, v in lc["prefill"].items()}}
+        out["llamacpp"] = lc
+    return out
+
+
+def table(out: dict) -> str:
+    m = out["machine"]
+    lines = [f"machine: read {m['read_bw'] / 1e9:.1f} GB/s, copy {m['copy_bw'] / 1e9:.1f} GB/s, "
+             f"matmul {m['matmul_rate'] / 1e9:.0f} GFLOP/s; threads {out['threads']}", ""]
+    head = (f"{'mode':<9}{'cap':>5} {'decode t/s':>10} {'ms/tok':>7} {'route':>6} {'attn':>6} {'exprt':>6} "
+            f"{'copy':>6} {'rest':>6} {'read GB/s':>9} {'of peak':>7} {'vs bound':>8}")
+    lines += [head, "-" * len(head)]
+    for r in out["results"]:
+        d, s = r["decode"], r["decode"]["split_ms"]
+        cap = "all" if r["mode"] == "resident" else ("-" if r["fraction"] is None else f"{r['fraction']:.0%}")
+        bound = f"{d['ratio_to_bound']:.2f}x" if "ratio_to_bound" in d else ""
+        lines.append(f"{r['mode']:<9}{cap:>5} {d['tok_s']:>10.2f} {d['ms_per_token']:>7.1f} "
+                     f"{s.get('routing', 0):>6.1f} {s.get('attention', 0):>6.1f} {s.get('experts', 0):>6.1f} "
+                     f"{s.get('copies', 0):>6.1f} {s.get('rest', 0) + s.get('lm_head', 0):>6.1f} "
+                     f"{d['read_gb_s']:>9.1f} {d['read_fraction']:>7.0%} {bound:>8}")
+    lines.append("")
+    head = f"{'mode':<9}{'cap':>5} " + " ".join(f"{'prefill ' + p + ' t/s':>17}" for p in out["results"][0]["prefill"])
+    head += f" {'GFLOP/s (512)':>14} {'of peak':>7}"
+    lines += [head, "-" * len(head)]
+    for r in out["results"]:
+        cap = "all" if r["mode"] == "resident" else ("-" if r["fraction"] is None else f"{r['fraction']:.0%}")
+        p = r["prefill"]
+        ref = p.get("512") or next(iter(p.values()))
+        lines.append(f"{r['mode']:<9}{cap:>5} " + " ".join(f"{v['tok_s']:>17.1f}" for v in p.values())
+                     + f" {ref['gflop_s']:>14.1f} {ref['matmul_fraction']:>7.0%}")
+    o = out["results"][0].get("overhead")
+    if o:
+        lines += ["", f"resident decode step {o['step_ms']:.1f} ms (profiled): matrix products {o['matmul_ms']:.1f} ms, "
+                  f"outside them {o['outside_matmul_ms']:.1f} ms ({o['outside_matmul_fraction']:.0%}); cache "
+                  f"bookkeeping {o['bookkeeping_us_per_op']:.0f} us per MoE op "
+                  f"({o['bookkeeping_fraction_of_step']:.1%} of the step)"]
+    if "llamacpp" in out:
+        lc = out["llamacpp"]
+        lines += ["", "llama.cpp: decode {:.1f} t/s; prefill {}".format(
+            lc["decode_tok_s"], ", ".join(f"{p}: {v:.1f} t/s" for p, v in lc["prefill"].items())),
+            "ratios (ours / llama.cpp): " + ", ".join(f"{k} {v:.2f}x" for k, v in lc["ratios"].items())]
+    return "\n".join(lines)
+
+
+def cmd_bench_speed(args) -> int:
+    from ..checkpoint.loader import open_checkpoint
+
+    open_checkpoint(args.model)
+    out = run(args)
+    print(table(out))
+    print(json.dumps(out))
+    return 0
+
+
+def add_parser(suites) -> None:
+    from ..commands.common import positive_int
+    from .cache_bench import _fractions
+
+    p = suites.add_parser("speed", help="decode/prefill speed, time split, bandwidth and FLOP/s vs the machine")
+    p.add_argument("-m", "--model", required=True)
+    p.add_argument("-t", "--threads", type=positive_int, default=torch.get_num_threads())
+    p.add_argument("--decode", type=positive_int, default=32, help="decode steps (default: 32)")
+    p.add_argument("--prefill", type=lambda s: [int(x) for x in s.split(",")], default=list(PREFILLS),
+                   help="prompt lengths (default: 256,512,2048)")
+    p.add_argument("--fractions", type=_fractions, default=[0.25, 0.5, 0.75])
+    p.add_argument("--ubatch", type=positive_int, default=512)
+    p.add_argument("--dtype")
+    p.add_argument("--vs-llamacpp", metavar="FILE.gguf", help="also run llama.cpp on these weights (llama-cpp-python)")
+    p.set_defaults(func=cmd_bench_speed)
