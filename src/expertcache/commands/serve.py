@@ -44,7 +44,9 @@ def cmd_serve(args) -> int:
           f"({args.parallel} slot(s) of {model.ctx_size} tokens, prompt cache "
           f"{'off' if args.no_cache_prompt else 'on'}, cache mode {model.telemetry().get('mode')})",
           file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug")
+    # On Ctrl-C, streams still open get a few seconds before the worker cancels them.
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
+                            timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

@@ -105,6 +105,7 @@ class Scheduler:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._tick = 0
         self._thread: threading.Thread | None = None
+        self._current: Job | None = None
 
     def start(self) -> None:
         if self._thread is None:
@@ -115,6 +116,9 @@ class Scheduler:
         """Cancel what is queued or running and wait for the worker to end."""
         if self._thread is None:
             return
+        current = self._current
+        if current is not None:
+            current.cancelled.set()
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -144,9 +148,11 @@ class Scheduler:
             with self._lock:
                 self.stats.deferred -= 1
                 self.stats.processing += 1
+            self._current = job
             try:
                 self._serve(job)
             finally:
+                self._current = None
                 with self._lock:
                     self.stats.processing -= 1
 
