@@ -102,7 +102,9 @@ class Client:
                 usage = chunk.get("usage") or usage
                 timings = chunk.get("timings") or timings
         latency = time.perf_counter() - t0
-        return {"latency": latency, "ttft": ttft if ttft is not None else latency, "text": "".join(text),
+        if ttft is None:  # no text came (e.g. only tokens that decode to nothing): the server's prompt time
+            ttft = (timings or {}).get("prompt_ms", latency * 1e3) / 1e3
+        return {"latency": latency, "ttft": ttft, "text": "".join(text),
                 "usage": usage or {}, "timings": timings, "finish_reason": finish}
 
 
