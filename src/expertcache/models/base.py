@@ -111,7 +111,7 @@ class MoEModel:
             if self.routing_hook is not None:
                 self.routing_hook(i, routing)
             lap("routing")
-            y = moe_experts(x, routing, self.provider, i, cfg.num_experts)
+            y = moe_experts(x, routing, self.provider, i)
             if lw.shared is not None:
                 shared = swiglu(x, lw.shared.gate_up, lw.shared.down)       # [T, D]
                 y = y + torch.sigmoid(F.linear(x, lw.shared_gate)) * shared  # [T, D]

@@ -130,9 +130,10 @@ def attention(cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, layer: int
     v = v.view(T, G, Dh).transpose(0, 1)            # [G, T, Dh]
     P = kv.length
     keys, values = kv.append(layer, k, v)           # [G, P+T, Dh]
-    if G != H:
-        keys = keys.repeat_interleave(H // G, dim=0)      # [H, P+T, Dh]
-        values = values.repeat_interleave(H // G, dim=0)  # [H, P+T, Dh]
+    # Grouped-query attention without copying the cache per head: the R = H/G query heads that
+    # share a key/value head are stacked along the query axis of that group.
+    R = H // G
+    q = q.reshape(G, R * T, Dh)                     # [G, R*T, Dh]
     mask = None
     if T > 1 or cfg.sliding_window is not None:
         qpos = torch.arange(P, P + T, device=x.device)[:, None]  # [T, 1]
@@ -140,9 +141,9 @@ def attention(cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, layer: int
         allowed = kpos <= qpos
         if cfg.sliding_window is not None:
             allowed &= kpos > qpos - cfg.sliding_window
-        mask = allowed                                           # [T, P+T]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=Dh ** -0.5)  # [H, T, Dh]
-    out = out.transpose(0, 1).reshape(T, H * Dh)                 # [T, H*Dh]
+        mask = allowed.repeat(R, 1)                              # [R*T, P+T]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=Dh ** -0.5)  # [G, R*T, Dh]
+    out = out.view(H, T, Dh).transpose(0, 1).reshape(T, H * Dh)  # [T, H*Dh]
     return F.linear(out, w.o, w.o_bias)                          # [T, D]
 
 

@@ -53,25 +53,22 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
     return Routing(w, ids)
 
 
-def moe_experts(x: torch.Tensor, routing: Routing, provider: ExpertProvider, layer: int,
-                num_experts: int) -> torch.Tensor:
+def moe_experts(x: torch.Tensor, routing: Routing, provider: ExpertProvider, layer: int) -> torch.Tensor:
     T, D = x.shape
     A = routing.ids.shape[1]
     flat = routing.ids.reshape(-1)                              # [T*A]
     order = torch.argsort(flat, stable=True)                    # [T*A] rows grouped by expert id
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    starts = [0] * num_experts
-    used = []
+    used_t, counts_t = torch.unique_consecutive(flat[order], return_counts=True)
+    used, counts = used_t.tolist(), counts_t.tolist()
+    start = {}
     acc = 0
-    for e, c in enumerate(counts):
-        starts[e] = acc
+    for e, c in zip(used, counts):
+        start[e] = (acc, acc + c)
         acc += c
-        if c:
-            used.append(e)
     out = x.new_empty(T * A, D)                                 # [T*A, D] by token, then rank
     for wave in provider.fetch(layer, used):
         for e, gate_up, down in wave:
-            rows = order[starts[e]: starts[e] + counts[e]]       # [n] positions in [T*A]
+            rows = order[start[e][0]: start[e][1]]               # [n] positions in [T*A]
             out[rows] = swiglu(x[rows // A], gate_up, down)       # [n, D]
     y = out.view(T, A, D) * routing.weights.unsqueeze(-1)         # [T, A, D]
     return y.sum(dim=1).to(x.dtype)                               # [T, D]
