@@ -199,7 +199,9 @@ class Model:
                     break
             if len(out) == max_tokens or session.kv.length >= self.ctx_size:
                 break
-            logits = self.net.forward(self._as_tensor([tok]), session.kv, all_logits=False)[-1]
+            # A sampled token is in range by construction: no validation on the per-token path.
+            step = torch.tensor([tok], dtype=torch.long, device=self.net.device)
+            logits = self.net.forward(step, session.kv, all_logits=False)[-1]
             session.tokens.append(tok)
         t2 = time.perf_counter()
         if decoder is not None and finish != "stop":
