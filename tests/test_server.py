@@ -246,6 +246,16 @@ def test_disconnect_stops_generation_and_frees_the_slot(live):
     metrics = httpx.get(live.url + "/metrics", timeout=TIMEOUT).text
     assert f"expertcache_requests_aborted_total {float(after.aborted)}" in metrics
 
+    # A non-streaming client that gives up is noticed too.
+    body = {"prompt": "w1 w2 w3", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(live.url + "/v1/completions", json=body, timeout=0.05)
+    deadline = time.monotonic() + TIMEOUT
+    while sched.snapshot().aborted == after.aborted:
+        assert time.monotonic() < deadline, "the generation was not stopped"
+        time.sleep(0.02)
+    assert sched.snapshot().predicted_tokens - after.predicted_tokens < max_tokens + 2
+
 
 # ---- bad input ----
 BAD = [

@@ -21,7 +21,7 @@ from .metrics import make_registry
 from .slots import Job, Scheduler
 
 # While a non-streaming request waits, how often to check whether its client left.
-DISCONNECT_POLL_S = 0.25
+DISCONNECT_POLL_S = 0.1
 
 
 def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, cache_prompt: bool = True,
