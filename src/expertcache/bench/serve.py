@@ -370,6 +370,9 @@ def deltas(results: list[dict]) -> list[dict]:
 def cmd_bench_serve(args) -> int:
     if (args.url is None) == (args.model is None):
         raise ExpertCacheError("give exactly one of --url URL (a running server) or --model DIR (with --compare)")
+    if args.duration <= 0 or args.warmup < 0 or args.timeout <= 0:
+        raise ExpertCacheError(f"--duration {args.duration} and --timeout {args.timeout} must be > 0, "
+                               f"--warmup {args.warmup} must be >= 0")
     if args.model is not None and not args.compare:
         args.compare = "cache"
     if args.url is not None:
