@@ -1,0 +1,115 @@
+"""Write a Qwen3-MoE checkpoint (for example one from `expertcache synth`) as a bf16/f32 GGUF
+file for llama.cpp, so `expertcache bench speed --vs-llamacpp` runs both engines on the same
+weights.
+
+    pip install gguf
+    python tools/to_gguf.py -m /tmp/q30 -o /tmp/q30.gguf
+
+llama.cpp's own converter (convert_hf_to_gguf.py) refuses tokenizers it does not recognise, such
+as synth's byte-level one; this writes the same tensors and model metadata with the `gguf`
+package's own name table and a GPT-2 style tokenizer entry built from tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from expertcache.checkpoint.loader import ExpertSource, open_checkpoint  # noqa: E402
+
+
+def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, object]:
+    import gguf
+
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.uint16).numpy(), gguf.GGMLQuantizationType.BF16
+    if t.dtype == torch.float16:
+        return t.contiguous().numpy(), gguf.GGMLQuantizationType.F16
+    return t.float().contiguous().numpy(), gguf.GGMLQuantizationType.F32
+
+
+def convert(model_dir: Path, out: Path) -> None:
+    import gguf
+
+    cfg, _, ckpt, layout = open_checkpoint(model_dir)
+    if cfg.model_type != "qwen3_moe" or any(not s for s in cfg.sparse_layers):
+        raise SystemExit("to_gguf: only Qwen3-MoE checkpoints with every layer sparse are supported")
+    arch = gguf.MODEL_ARCH.QWEN3MOE
+    names = gguf.get_tensor_name_map(arch, cfg.num_layers)
+    w = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size or cfg.moe_intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope.theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.top_k)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = {**tok["model"]["vocab"], **{a["content"]: a["id"] for a in tok.get("added_tokens", [])}}
+    tokens = [f"[PAD{i}]" for i in range(cfg.vocab_size)]
+    types = [gguf.TokenType.UNUSED] * cfg.vocab_size
+    special = {a["content"] for a in tok.get("added_tokens", [])}
+    for text, i in vocab.items():
+        if i < cfg.vocab_size:
+            tokens[i] = text
+            types[i] = gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    merges = tok["model"].get("merges") or []
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    if cfg.eos_token_id:
+        w.add_eos_token_id(cfg.eos_token_id[0])
+
+    for name in ckpt.tensors:
+        if ".experts." in name:
+            continue
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise SystemExit(f"to_gguf: no GGUF name for {name}")
+        arr, kind = to_numpy(ckpt.read(name))
+        w.add_tensor(gname, arr, raw_dtype=kind)
+    src = ExpertSource(ckpt, cfg, layout)
+    D, I = cfg.hidden_size, cfg.moe_intermediate_size
+    for layer in cfg.moe_layers:
+        rows = torch.stack([src.read(layer, e) for e in range(cfg.num_experts)])  # [E, 3*I*D]
+        parts = {"gate_proj": rows[:, : I * D].reshape(-1, I, D), "up_proj": rows[:, I * D: 2 * I * D].reshape(-1, I, D),
+                 "down_proj": rows[:, 2 * I * D:].reshape(-1, D, I)}
+        for part, t in parts.items():
+            gname = names.get_name(f"model.layers.{layer}.mlp.experts.{part}.weight", try_suffixes=(".weight",))
+            arr, kind = to_numpy(t)
+            w.add_tensor(gname, arr, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=True)
+    w.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", required=True, type=Path)
+    ap.add_argument("-o", "--output", required=True, type=Path)
+    args = ap.parse_args()
+    convert(args.model, args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
