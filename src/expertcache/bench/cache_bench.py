@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -34,7 +35,7 @@ def run_one(spec: dict) -> dict:
     load_s = time.perf_counter() - t0
     replay = None
     if spec.get("route_trace"):
-        from .trace import RoutingReplay, load_trace
+        from .trace import load_trace
 
         replay = RoutingReplay(load_trace(spec["route_trace"]), model.cfg)
         model.net.routing_override = replay
@@ -83,6 +84,47 @@ def run_one(spec: dict) -> dict:
             "capacity": tel["capacity"], "total_experts": tel["total_experts"], "expert_bytes": tel["expert_bytes"],
             "policy": tel["policy"], "load_seconds": load_s, "prefill": prefill, "decode": dec,
             "peak_rss_bytes": peak_rss_bytes()}
+
+
+class RoutingReplay:
+    """Forces each MoE layer's routing to follow a recorded trace (`model.net.routing_override`).
+
+    The model's i-th MoE layer replays the trace's i-th MoE layer: its routed token rows, in order,
+    as one stream (an op of T tokens takes the next T rows; the stream wraps around at its end),
+    each chosen expert weighted 1/k. Copy costs are then those of the model's real expert size
+    with the trace's realistic routing.
+    """
+
+    def __init__(self, trace, cfg):
+        from ..errors import ExpertCacheError
+
+        h = trace.header
+        if (h.num_experts, h.top_k, len(h.moe_layers)) != (cfg.num_experts, cfg.top_k, len(cfg.moe_layers)):
+            raise ExpertCacheError(
+                f"trace has {h.num_experts} experts, top-{h.top_k}, {len(h.moe_layers)} MoE layers; the model has "
+                f"{cfg.num_experts}, top-{cfg.top_k}, {len(cfg.moe_layers)} (make one with expertcache synth "
+                f"--experts {h.num_experts} --top-k {h.top_k} --layers {len(h.moe_layers)})")
+        starts = np.concatenate([[0], np.cumsum(trace.tokens)])
+        self.rows = {}
+        for ours, theirs in zip(cfg.moe_layers, h.moe_layers):
+            ops = np.flatnonzero(trace.layer == theirs)
+            self.rows[ours] = np.concatenate([trace.ids[starts[i]: starts[i + 1]] for i in ops]).astype(np.int64)
+        self.k = cfg.top_k
+        self.rewind()
+
+    def rewind(self) -> None:
+        self.pos = dict.fromkeys(self.rows, 0)
+
+    def __call__(self, layer: int, routing):
+        from ..models.moe import Routing
+
+        rows = self.rows[layer]
+        T = routing.ids.shape[0]
+        take = (self.pos[layer] + np.arange(T)) % len(rows)
+        self.pos[layer] += T
+        ids = torch.from_numpy(rows[take]).to(routing.ids.device)                       # [T, k]
+        weights = torch.full_like(routing.weights, 1.0 / self.k)                       # [T, k]
+        return Routing(weights, ids)
 
 
 def configurations(args) -> list[dict]:
