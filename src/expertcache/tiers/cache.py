@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from ..config import CacheConfig
 from ..errors import ExpertCacheError
@@ -26,7 +27,7 @@ from ..telemetry import Telemetry
 from .layout import expert_views
 from .policy import ExpertKey, make_policy
 from .residency import Residency
-from .store import ExpertStore, FileVersion, file_version
+from .store import LARGE_LOAD_BYTES, ExpertStore, FileVersion, file_version
 from .transfer import Transfers
 
 
@@ -88,7 +89,8 @@ class ExpertCache:
 
     def _fill_all(self) -> None:
         """Resident mode: every expert in its slot before the first op (counted as load copies)."""
-        for layer in self.moe_layers:
+        big = self.total_experts * self.expert_bytes >= LARGE_LOAD_BYTES
+        for layer in tqdm(self.moe_layers, desc="filling slots", unit="layer", leave=False, disable=not big):
             plan = self.residency.plan(layer, list(range(self.num_experts)))
             for wave in plan.waves:
                 self._copy_wave(layer, wave)

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from ..checkpoint.safetensors_io import Segment
 
 FileVersion = tuple[int, int, int, int, int]
+LARGE_LOAD_BYTES = 256 << 20  # loads larger than this show a progress bar
 
 
 def file_version(path: Path) -> FileVersion:
@@ -69,8 +70,8 @@ class RamStore(ExpertStore):
         cfg = source.cfg
         self.rows: dict[int, torch.Tensor] = {}
         total = cfg.num_experts * len(cfg.moe_layers)
-        with tqdm(total=total, desc="loading experts", unit="expert", disable=not progress or total < 512,
-                  leave=False) as bar:
+        with tqdm(total=total, desc="loading experts", unit="expert", leave=False,
+                  disable=not progress or total * source.expert_nbytes < LARGE_LOAD_BYTES) as bar:
             for layer in cfg.moe_layers:
                 rows = torch.zeros(cfg.num_experts, stride, dtype=dtype, pin_memory=pin)
                 for e in range(cfg.num_experts):
