@@ -146,27 +146,27 @@ def _prompt_tps(r: dict) -> tuple[float, int, int]:
 
 def suite_steady(client: Client, text: str, model: str, prompt_tokens: int, max_tokens: int,
                  duration: float, warmup: int) -> dict:
-    prompt = calibrate(client, text, 0, prompt_tokens)
-    step = len(prompt)
+    offset = 0
 
-    def request(i: int) -> dict:
-        p = _window(text, (i * step) % max(1, len(text) - step), step)  # a fresh window each time
+    def request() -> dict:
+        nonlocal offset
+        # A fresh window of the text each time, calibrated to prompt_tokens before the clock runs.
+        p = calibrate(client, text, offset, prompt_tokens)
+        offset = (offset + len(p)) % max(1, len(text) - 2 * len(p))
         return client.stream("/v1/completions", {"model": model, "prompt": p, "max_tokens": max_tokens,
                                                  "temperature": 0, "ignore_eos": True, "cache_prompt": False})
 
-    for i in range(warmup):
-        request(i)
-    rows, t0 = [], time.perf_counter()
-    i = warmup
-    while time.perf_counter() - t0 < duration:
-        r = request(i)
+    for _ in range(warmup):
+        request()
+    rows = []
+    while sum(x["latency_s"] for x in rows) < duration:
+        r = request()
         t = r["timings"] or {}
         rows.append({"latency_s": r["latency"], "ttft_s": r["ttft"], "prompt_tokens": r["usage"].get("prompt_tokens", 0),
                      "completion_tokens": r["usage"].get("completion_tokens", 0),
                      "prompt_n": t.get("prompt_n"), "prompt_ms": t.get("prompt_ms"),
                      "predicted_n": t.get("predicted_n"), "predicted_ms": t.get("predicted_ms")})
-        i += 1
-    elapsed = time.perf_counter() - t0
+    elapsed = sum(x["latency_s"] for x in rows)  # time spent in requests (calibration excluded)
     p = sum(x["prompt_tokens"] for x in rows)
     c = sum(x["completion_tokens"] for x in rows)
     n = len(rows)
