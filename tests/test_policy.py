@@ -52,7 +52,7 @@ def test_expert_key_is_small_typed_and_ordered():
 def test_registry_and_errors():
     assert set(POLICIES) == {"lru", "lfu", "s3fifo", "arc", "lrfu"}
     assert "belady" not in POLICIES  # it needs the future
-    assert DEFAULT_POLICY == "lru"
+    assert DEFAULT_POLICY == "lrfu"
     for name, cls in POLICIES.items():
         p = make_policy(name, 4)
         assert isinstance(p, cls) and p.name == name and p.capacity == 4
@@ -151,7 +151,7 @@ def test_lrfu_trace_recency_against_frequency():
     assert replay(p, [1, 1, 1, 2, 3]) == [1]
     assert p.score(K(3)) == 1.0 and p.score(K(1)) == 0.4375 and p.score(K(2)) == 0.5
     assert replay(LRFU(2, half_life=1e9), [1, 1, 1, 2, 3]) == [2]
-    assert LRFU(4).half_life == 8  # default: 2 x capacity
+    assert LRFU(4).half_life == 16  # default: 4 x capacity
 
 
 def test_lrfu_remembers_evicted_keys():
@@ -204,8 +204,8 @@ def test_belady_rejects_a_trace_mismatch():
 # S3-FIFO: at layer 1's first eviction the working set (hit, freq > 0) moves from S to M; the
 # prefill keys (freq 0) are evicted from S into the ghost queue: no decode miss, 12 prefill misses.
 # ARC: the working set is in T2 (seen twice); prefill keys enter T1 and, with p = 0, are evicted
-# from T1. LFU: prefill keys have count 1, the working set 4 or more. LRFU (half-life 16 ops): a
-# prefill key scores about 1, a working-set key used at 3 of the last 12 ops about 2.2.
+# from T1. LFU: prefill keys have count 1, the working set 4 or more. LRFU (half-life 32 ops): a
+# prefill key scores about 1, a working-set key used at 3 of the last 12 ops about 2.5.
 LAYERS, EXPERTS, CAPACITY, STEPS = 4, 4, 8, 3
 DECODE = [(layer, [0]) for _ in range(STEPS) for layer in range(LAYERS)]
 PREFILL = [(layer, list(range(EXPERTS))) for layer in range(LAYERS)]
