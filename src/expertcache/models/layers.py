@@ -19,7 +19,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 and scale in the compute dtype, as the reference implementations do.
     dtype = x.dtype
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xf = xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
 
 
@@ -130,20 +130,29 @@ def attention(cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, layer: int
     v = v.view(T, G, Dh).transpose(0, 1)            # [G, T, Dh]
     P = kv.length
     keys, values = kv.append(layer, k, v)           # [G, P+T, Dh]
-    # Grouped-query attention without copying the cache per head: the R = H/G query heads that
-    # share a key/value head are stacked along the query axis of that group.
     R = H // G
-    q = q.reshape(G, R * T, Dh)                     # [G, R*T, Dh]
-    mask = None
-    if T > 1 or cfg.sliding_window is not None:
+    if T == 1 and cfg.sliding_window is None:
+        # Decode: the R query heads sharing a key/value head are stacked along the query axis of
+        # their group, so the cache is read once per group and never copied per head.
+        out = F.scaled_dot_product_attention(q.reshape(G, R, Dh), keys, values, scale=Dh ** -0.5)  # [G, R, Dh]
+        return F.linear(out.reshape(1, H * Dh), w.o, w.o_bias)                                  # [1, D]
+    if R > 1:
+        keys = keys.repeat_interleave(R, dim=0)      # [H, P+T, Dh]
+        values = values.repeat_interleave(R, dim=0)  # [H, P+T, Dh]
+    if P == 0 and cfg.sliding_window is None:
+        # A fresh prompt: the fused causal kernel, no mask tensor.
+        # (4-D inputs select the fused CPU kernel.)
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True,
+                                             scale=Dh ** -0.5)[0]  # [H, T, Dh]
+    else:
         qpos = torch.arange(P, P + T, device=x.device)[:, None]  # [T, 1]
         kpos = torch.arange(P + T, device=x.device)[None, :]     # [1, P+T]
         allowed = kpos <= qpos
         if cfg.sliding_window is not None:
             allowed &= kpos > qpos - cfg.sliding_window
-        mask = allowed.repeat(R, 1)                              # [R*T, P+T]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=Dh ** -0.5)  # [G, R*T, Dh]
-    out = out.view(H, T, Dh).transpose(0, 1).reshape(T, H * Dh)  # [T, H*Dh]
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed,
+                                             scale=Dh ** -0.5)[0]  # [H, T, Dh]
+    out = out.transpose(0, 1).reshape(T, H * Dh)                 # [T, H*Dh]
     return F.linear(out, w.o, w.o_bias)                          # [T, D]
 
 

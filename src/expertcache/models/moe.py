@@ -70,5 +70,6 @@ def moe_experts(x: torch.Tensor, routing: Routing, provider: ExpertProvider, lay
         for e, gate_up, down in wave:
             rows = order[start[e][0]: start[e][1]]               # [n] positions in [T*A]
             out[rows] = swiglu(x[rows // A], gate_up, down)       # [n, D]
-    y = out.view(T, A, D) * routing.weights.unsqueeze(-1)         # [T, A, D]
-    return y.sum(dim=1).to(x.dtype)                               # [T, D]
+    # The weighted sum over ranks as one batched product: [T, 1, A] x [T, A, D].
+    w = routing.weights.to(out.dtype).unsqueeze(1)                # [T, 1, A]
+    return torch.bmm(w, out.view(T, A, D)).view(T, D).to(x.dtype)  # [T, D]
