@@ -55,7 +55,7 @@ def build_reference(config, seed: int = 0):
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif p.ndim >= 2:
-                p.normal_(0.0, 0.15)
+                p.normal_(0.0, 0.12)
             else:
                 p.normal_(0.0, 0.05)
     return model.eval()

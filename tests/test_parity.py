@@ -121,7 +121,10 @@ def test_sharded_checkpoint(tiny_checkpoint):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_precision_checkpoints(tiny_checkpoint, dtype):
-    ref, d = tiny_checkpoint("qwen3_moe", dtype=dtype)
+    # Every expert chosen for every token: in half precision a near-tie in the router would
+    # otherwise route a token differently here and in the reference, which says nothing about
+    # precision. The weights still differ per token.
+    ref, d = tiny_checkpoint("qwen3_moe", dtype=dtype, experts=4, top_k=4)
     ids = ids_of(16)
     # Default compute dtype is the checkpoint's.
     model = expertcache.load(d)
@@ -131,12 +134,16 @@ def test_half_precision_checkpoints(tiny_checkpoint, dtype):
     with torch.no_grad():
         ref_half = ref(ids[None]).logits[0]
     assert ref_half.dtype == dtype
-    # Same weights, same dtype, different kernels: close, not equal.
-    assert (ours.float() - ref_half.float()).abs().max() < 0.15
-    # --dtype float32 upcasts the half weights: equal to the upcast reference.
-    ours32 = expertcache.load(d, dtype="float32").logits(ids)
-    # A fresh fp32 reference from the saved files (casting `ref` would also round its rope buffers).
     import transformers
 
+    # A fresh fp32 reference from the saved files (casting `ref` would also round its rope buffers).
     ref32 = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    torch.testing.assert_close(ours32, reference_logits(ref32, ids), atol=1e-5, rtol=0)
+    exact = reference_logits(ref32, ids)
+    # Same weights, same dtype, different kernels: our half-precision error against the fp32 result
+    # is of the size of the reference's own.
+    ours_err = (ours.float() - exact).abs().mean()
+    ref_err = (ref_half.float() - exact).abs().mean()
+    assert ours_err <= 1.5 * ref_err + 1e-3, (ours_err, ref_err)
+    # --dtype float32 upcasts the half weights: equal to the upcast reference.
+    ours32 = expertcache.load(d, dtype="float32").logits(ids)
+    torch.testing.assert_close(ours32, exact, atol=1e-5, rtol=0)

@@ -19,7 +19,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 and scale in the compute dtype, as the reference implementations do.
     dtype = x.dtype
     xf = x.float()
-    xf = xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
 
 

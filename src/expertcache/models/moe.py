@@ -71,5 +71,5 @@ def moe_experts(x: torch.Tensor, routing: Routing, provider: ExpertProvider, lay
             rows = order[start[e][0]: start[e][1]]               # [n] positions in [T*A]
             out[rows] = swiglu(x[rows // A], gate_up, down)       # [n, D]
     # The weighted sum over ranks as one batched product: [T, 1, A] x [T, A, D].
-    w = routing.weights.to(out.dtype).unsqueeze(1)                # [T, 1, A]
-    return torch.bmm(w, out.view(T, A, D)).view(T, D).to(x.dtype)  # [T, D]
+    w = routing.weights.float().unsqueeze(1)                      # [T, 1, A]
+    return torch.bmm(w, out.view(T, A, D).float()).view(T, D).to(x.dtype)  # [T, D]
