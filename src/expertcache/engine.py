@@ -165,7 +165,7 @@ class Model:
         self.begin_call()
         if session is None:
             session = self.new_session()
-        cached = _common_prefix(session.tokens, ids)
+        cached = common_prefix(session.tokens, ids)
         cached = min(cached, len(ids) - 1)  # the last prompt token must run to give logits
         session.truncate(cached)
 
@@ -217,7 +217,8 @@ class Model:
         return self.generate(ids, **kwargs)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

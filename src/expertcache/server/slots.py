@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..engine import GenerationResult, Model, Session
+from ..engine import GenerationResult, Model, Session, common_prefix
 
 # A slot's cached tokens count as the request's conversation when their common prefix covers
 # at least this fraction of the request or of the slot (llama-server's --slot-prompt-similarity
@@ -28,14 +28,6 @@ class Slot:
     @property
     def tokens(self) -> list[int]:
         return self.session.tokens if self.session is not None else []
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def choose_slot(slots: list[Slot], ids: list[int], cache_prompt: bool = True) -> Slot:
