@@ -19,7 +19,7 @@ import math
 from abc import ABC, abstractmethod
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence, Set
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -452,24 +452,31 @@ class LRFU(Policy):
 
     def evict(self, pinned: Set[ExpertKey]) -> ExpertKey:
         self._check_evictable(pinned)
-        aside = []
-        while True:
-            entry = heapq.heappop(self._heap)
-            key = entry[2]
-            if self._rank.get(key) != entry[:2]:
-                continue  # stale: used again since, or evicted
-            if key in pinned:
-                aside.append(entry)
-                continue
-            break
-        for e in aside:
-            heapq.heappush(self._heap, e)
+        # Stale entries: the key was used again since, or evicted.
+        key = _pop_unpinned(self._heap, lambda e: self._rank.get(e[-1]) == e[:2], pinned)
         del self._rank[key]
         return key
 
     def remove(self, key: ExpertKey) -> None:
         del self._rank[key]
         self._history.pop(key, None)
+
+
+def _pop_unpinned(heap: list, live: Callable[[tuple], bool], pinned: Set[ExpertKey]) -> ExpertKey:
+    """Pop the smallest live heap entry (key last) whose key is not pinned, dropping stale entries
+    (lazy deletion) and keeping pinned live ones."""
+    aside = []
+    while True:
+        entry = heapq.heappop(heap)
+        if not live(entry):
+            continue
+        if entry[-1] in pinned:
+            aside.append(entry)
+            continue
+        break
+    for e in aside:
+        heapq.heappush(heap, e)
+    return entry[-1]
 
 
 def _first_unpinned(order: Iterable[ExpertKey], pinned: Set[ExpertKey]) -> ExpertKey | None:
@@ -549,18 +556,8 @@ class Belady(Policy):
 
     def evict(self, pinned: Set[ExpertKey]) -> ExpertKey:
         self._check_evictable(pinned)
-        aside = []
-        while True:
-            entry = heapq.heappop(self._heap)
-            key = entry[3]
-            if self._next.get(key) != -entry[0]:
-                continue  # stale: the key was used again, or evicted
-            if key in pinned:
-                aside.append(entry)
-                continue
-            break
-        for e in aside:
-            heapq.heappush(self._heap, e)
+        # Stale entries: the key was used again since, or evicted.
+        key = _pop_unpinned(self._heap, lambda e: self._next.get(e[-1]) == -e[0], pinned)
         del self._next[key]
         return key
 
