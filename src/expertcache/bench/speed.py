@@ -70,7 +70,7 @@ def weight_bytes_per_token(model) -> dict:
     dense = 0
     for lw in net.layers:
         a = lw.attn
-        dense += sum(t.numel() * t.element_size() for t in (a.q, a.k, a.v, a.o) if t is not None)
+        dense += sum(t.numel() * t.element_size() for t in (a.qkv, a.o))
         if lw.router is not None:
             dense += lw.router.numel() * lw.router.element_size()
         for mlp in (lw.dense, lw.shared):

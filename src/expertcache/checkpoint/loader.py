@@ -189,11 +189,11 @@ def load_dense(ckpt: Checkpoint, cfg: ModelConfig, layout: ExpertLayout, device:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
+        qkv_bias = [opt(a + f"{n}_proj.bias") for n in "qkv"]
         attn = AttentionWeights(
-            q=get(a + "q_proj.weight"), k=get(a + "k_proj.weight"), v=get(a + "v_proj.weight"),
-            o=get(a + "o_proj.weight"), q_bias=opt(a + "q_proj.bias"), k_bias=opt(a + "k_proj.bias"),
-            v_bias=opt(a + "v_proj.bias"), o_bias=opt(a + "o_proj.bias"),
-            q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"))
+            qkv=torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"]),
+            o=get(a + "o_proj.weight"), qkv_bias=torch.cat(qkv_bias) if qkv_bias[0] is not None else None,
+            o_bias=opt(a + "o_proj.bias"), q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"))
         lw = LayerWeights(get(p + "input_layernorm.weight"), get(p + "post_attention_layernorm.weight"), attn)
         if cfg.sparse_layers[i]:
             lw.router = get(p + layout.router)

@@ -13,11 +13,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..telemetry import StepTimer
-from .layers import AttentionWeights, KVCache, MLPWeights, Rotary, attention, rms_norm, swiglu
+from .layers import (
+    AttentionWeights,
+    KVCache,
+    MLPWeights,
+    Rotary,
+    attention,
+    linear,
+    rms_norm,
+    swiglu,
+)
 from .moe import ExpertProvider, Routing, moe_experts, route
 
 
@@ -114,13 +122,13 @@ class MoEModel:
             y = moe_experts(x, routing, self.provider, i)
             if lw.shared is not None:
                 shared = swiglu(x, lw.shared.gate_up, lw.shared.down)       # [T, D]
-                y = y + torch.sigmoid(F.linear(x, lw.shared_gate)) * shared  # [T, D]
+                y = y + torch.sigmoid(linear(x, lw.shared_gate)) * shared  # [T, D]
             h = h + y
             lap("experts")
         kv.advance(T)
         if not all_logits:
             h = h[-1:]
         h = rms_norm(h, self.norm, cfg.rms_norm_eps)
-        logits = F.linear(h, self.lm_head)  # [T, V]
+        logits = linear(h, self.lm_head)  # [T, V]
         lap("lm_head")
         return logits

@@ -14,6 +14,28 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ w[N, K]^T (+ b) -> [T, N].
+
+    One row in bf16/fp16 on a CPU (every decode step) is a matrix-vector product, which is
+    memory-bound: oneDNN's matmul reads the weights at well under half the machine's bandwidth
+    there, while the plain BLAS path streams them at nearly full speed. The path depends only on
+    the row count, never on cache state, so results stay identical across cache modes.
+    """
+    if x.shape[0] == 1 and x.dtype in _REDUCED and x.device.type == "cpu":
+        # torch.backends.mkldnn.flags() does the same but costs ~10 us and warns on every call.
+        was = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)
+        try:
+            y = torch.mv(w, x[0])                   # [N]
+        finally:
+            torch._C._set_mkldnn_enabled(was)
+        return (y if b is None else y + b)[None]    # [1, N]
+    return F.linear(x, w, b)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 and scale in the compute dtype, as the reference implementations do.
@@ -98,13 +120,9 @@ class KVCache:
 
 @dataclass(slots=True)
 class AttentionWeights:
-    q: torch.Tensor            # [H*Dh, D]
-    k: torch.Tensor            # [G*Dh, D]
-    v: torch.Tensor            # [G*Dh, D]
+    qkv: torch.Tensor          # [(H+2G)*Dh, D]: q, k and v rows in one matrix, one product per step
     o: torch.Tensor            # [D, H*Dh]
-    q_bias: torch.Tensor | None = None
-    k_bias: torch.Tensor | None = None
-    v_bias: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # [Dh] (per head) or [H*Dh] (whole projection)
     k_norm: torch.Tensor | None = None
@@ -114,9 +132,7 @@ def attention(cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, layer: int
               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     T = x.shape[0]
     H, G, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = F.linear(x, w.q, w.q_bias)  # [T, H*Dh]
-    k = F.linear(x, w.k, w.k_bias)  # [T, G*Dh]
-    v = F.linear(x, w.v, w.v_bias)  # [T, G*Dh]
+    q, k, v = linear(x, w.qkv, w.qkv_bias).split([H * Dh, G * Dh, G * Dh], dim=-1)  # [T, H*Dh], [T, G*Dh] x2
     if cfg.qk_norm == "full":
         q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
     if cfg.clip_qkv is not None:
@@ -135,7 +151,7 @@ def attention(cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, layer: int
         # Decode: the R query heads sharing a key/value head are stacked along the query axis of
         # their group, so the cache is read once per group and never copied per head.
         out = F.scaled_dot_product_attention(q.reshape(G, R, Dh), keys, values, scale=Dh ** -0.5)  # [G, R, Dh]
-        return F.linear(out.reshape(1, H * Dh), w.o, w.o_bias)                                  # [1, D]
+        return linear(out.reshape(1, H * Dh), w.o, w.o_bias)                                  # [1, D]
     if R > 1:
         keys = keys.repeat_interleave(R, dim=0)      # [H, P+T, Dh]
         values = values.repeat_interleave(R, dim=0)  # [H, P+T, Dh]
@@ -153,7 +169,7 @@ def attention(cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, layer: int
         out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed,
                                              scale=Dh ** -0.5)[0]  # [H, T, Dh]
     out = out.transpose(0, 1).reshape(T, H * Dh)                 # [T, H*Dh]
-    return F.linear(out, w.o, w.o_bias)                          # [T, D]
+    return linear(out, w.o, w.o_bias)                          # [T, D]
 
 
 @dataclass(slots=True)
@@ -163,5 +179,5 @@ class MLPWeights:
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    g, u = F.linear(x, gate_up).chunk(2, dim=-1)  # [T, I] each
-    return F.linear(F.silu(g) * u, down)          # [T, D]
+    g, u = linear(x, gate_up).chunk(2, dim=-1)  # [T, I] each
+    return linear(F.silu(g) * u, down)          # [T, D]

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
-from .layers import swiglu
+from .layers import linear, swiglu
 
 # One expert as the layer sees it: its id, gate/up rows [2I, D] and down [D, I].
 ExpertView = tuple[int, torch.Tensor, torch.Tensor]
@@ -43,7 +42,7 @@ class Routing:
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
           weights_fp32: bool = False) -> Routing:
-    logits = F.linear(x, router)                             # [T, E]
+    logits = linear(x, router)                             # [T, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # [T, E]
     w, ids = torch.topk(probs, top_k, dim=-1)                # [T, A]
     if normalize:
@@ -56,6 +55,8 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
 def moe_experts(x: torch.Tensor, routing: Routing, provider: ExpertProvider, layer: int) -> torch.Tensor:
     T, D = x.shape
     A = routing.ids.shape[1]
+    if T == 1:
+        return _moe_one_token(x, routing, provider, layer)
     flat = routing.ids.reshape(-1)                              # [T*A]
     order = torch.argsort(flat, stable=True)                    # [T*A] rows grouped by expert id
     used_t, counts_t = torch.unique_consecutive(flat[order], return_counts=True)
@@ -73,3 +74,15 @@ def moe_experts(x: torch.Tensor, routing: Routing, provider: ExpertProvider, lay
     # The weighted sum over ranks as one batched product: [T, 1, A] x [T, A, D].
     w = routing.weights.float().unsqueeze(1)                      # [T, 1, A]
     return torch.bmm(w, out.view(T, A, D).float()).view(T, D).to(x.dtype)  # [T, D]
+
+
+def _moe_one_token(x: torch.Tensor, routing: Routing, provider: ExpertProvider, layer: int) -> torch.Tensor:
+    """The decode step: one token, so no grouping of rows; the same fixed-order combine."""
+    ranked = routing.ids[0].tolist()                               # expert ids in router-rank order
+    ys: dict[int, torch.Tensor] = {}
+    for wave in provider.fetch(layer, sorted(ranked)):
+        for e, gate_up, down in wave:
+            ys[e] = swiglu(x, gate_up, down)                       # [1, D]
+    out = torch.cat([ys[e] for e in ranked])                       # [A, D] in rank order
+    w = routing.weights.float()                                    # [1, A]
+    return (w @ out.float()).to(x.dtype)                           # [1, D]

@@ -76,6 +76,8 @@ class ExpertCache:
         except (RuntimeError, MemoryError) as e:
             raise ExpertCacheError(f"cannot allocate {capacity} expert slots "
                                    f"({capacity * self.stride * self.dtype.itemsize / 2**20:.0f} MiB): {e}") from None
+        # Each slot's gate/up and down views, made once: they stay valid as long as the pool.
+        self.views = [expert_views(row, self.hidden, self.inter) for row in self.pool]
         try:
             policy = make_policy(self.config.policy, capacity)
         except ValueError as e:
@@ -124,7 +126,7 @@ class ExpertCache:
             for e, s in zip(wave.experts, wave.slots):
                 if self.config.verify:
                     self._verify(layer, e, s)
-                views.append((e, *expert_views(self.pool[s], self.hidden, self.inter)))
+                views.append((e, *self.views[s]))
             try:
                 yield views
             finally:
