@@ -66,14 +66,18 @@ def moe_experts(x: torch.Tensor, routing: Routing, provider: ExpertProvider, lay
     for e, c in zip(used, counts):
         start[e] = (acc, acc + c)
         acc += c
-    out = x.new_empty(T * A, D)                                 # [T*A, D] by token, then rank
+    xs = x[order // A]                                          # [T*A, D] inputs grouped by expert
+    ys = torch.empty_like(xs)                                   # [T*A, D] outputs, same grouping
     for wave in provider.fetch(layer, used):
         for e, gate_up, down in wave:
-            rows = order[start[e][0]: start[e][1]]               # [n] positions in [T*A]
-            out[rows] = swiglu(x[rows // A], gate_up, down)       # [n, D]
-    # The weighted sum over ranks as one batched product: [T, 1, A] x [T, A, D].
-    w = routing.weights.float().unsqueeze(1)                      # [T, 1, A]
-    return torch.bmm(w, out.view(T, A, D).float()).view(T, D).to(x.dtype)  # [T, D]
+            a, b = start[e]
+            ys[a:b] = swiglu(xs[a:b], gate_up, down)             # [n, D]
+    out = torch.empty_like(ys)
+    out[order] = ys                                             # [T*A, D] by token, then rank
+    # The weighted sum over ranks as one batched product, [T, 1, A] x [T, A, D], accumulated in
+    # fp32 by the matrix kernel and rounded once.
+    w = routing.weights.to(out.dtype).unsqueeze(1)                # [T, 1, A]
+    return torch.bmm(w, out.view(T, A, D)).view(T, D)             # [T, D]
 
 
 def _moe_one_token(x: torch.Tensor, routing: Routing, provider: ExpertProvider, layer: int) -> torch.Tensor:
@@ -84,5 +88,5 @@ def _moe_one_token(x: torch.Tensor, routing: Routing, provider: ExpertProvider, 
         for e, gate_up, down in wave:
             ys[e] = swiglu(x, gate_up, down)                       # [1, D]
     out = torch.cat([ys[e] for e in ranked])                       # [A, D] in rank order
-    w = routing.weights.float()                                    # [1, A]
-    return (w @ out.float()).to(x.dtype)                           # [1, D]
+    w = routing.weights.to(out.dtype)                              # [1, A]
+    return w @ out                                                 # [1, D]
