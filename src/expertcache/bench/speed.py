@@ -26,6 +26,9 @@ import torch
 from tqdm import tqdm
 
 PREFILLS = (256, 512, 2048)
+# Profiler names of the matrix products (and fused attention) a step runs.
+MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv_",
+              "aten::_scaled_dot_product_flash_attention_for_cpu")
 
 
 def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
@@ -151,7 +154,7 @@ def overhead_profile(model, prompt: list[int], n: int = 16) -> dict:
     finally:
         del residency.plan
     mm = sum(e.self_cpu_time_total for e in prof.key_averages()
-             if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_scaled_dot_product_flash_attention_for_cpu")) / 1e6
+             if e.key in MATRIX_OPS) / 1e6
     step = wall / n
     return {"step_ms": 1e3 * step, "matmul_ms": 1e3 * mm / n, "outside_matmul_ms": 1e3 * (step - mm / n),
             "outside_matmul_fraction": 1 - (mm / n) / step,
