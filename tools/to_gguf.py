@@ -73,6 +73,11 @@ def convert(model_dir: Path, out: Path) -> None:
     w.add_token_list(tokens)
     w.add_token_types(types)
     merges = tok["model"].get("merges") or []
+    if not merges:
+        # llama.cpp refuses a BPE vocabulary without merges: give it one, on an unused id.
+        free = types.index(gguf.TokenType.UNUSED)
+        tokens[free], types[free] = "\u0120t", gguf.TokenType.NORMAL
+        merges = ["\u0120 t"]
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     if cfg.eos_token_id:
         w.add_eos_token_id(cfg.eos_token_id[0])
@@ -83,7 +88,9 @@ def convert(model_dir: Path, out: Path) -> None:
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gname is None:
             raise SystemExit(f"to_gguf: no GGUF name for {name}")
-        arr, kind = to_numpy(ckpt.read(name))
+        t = ckpt.read(name)
+        # llama.cpp adds norm weights to f32 activations: vectors are stored in f32.
+        arr, kind = to_numpy(t.float() if t.ndim == 1 else t)
         w.add_tensor(gname, arr, raw_dtype=kind)
     src = ExpertSource(ckpt, cfg, layout)
     D, I = cfg.hidden_size, cfg.moe_intermediate_size
