@@ -18,6 +18,7 @@ ctime in nanoseconds), which the cache compares at the start of each top-level c
 from __future__ import annotations
 
 import mmap
+from abc import ABC, abstractmethod
 import os
 import warnings
 from pathlib import Path
@@ -36,7 +37,7 @@ def file_version(path: Path) -> FileVersion:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-class ExpertStore:
+class ExpertStore(ABC):
     """Base: knows the source and the slot geometry; subclasses implement `copy_run`."""
 
     name = ""
@@ -49,9 +50,9 @@ class ExpertStore:
     def file_of(self, layer: int, e: int) -> Path:
         return self.source.segments(layer, e)[0].file
 
+    @abstractmethod
     def copy_run(self, layer: int, first: int, dst: torch.Tensor, non_blocking: bool = False) -> None:
         """Copy experts first .. first+len(dst)-1 of `layer` into dst [n, stride]."""
-        raise NotImplementedError
 
     def contiguous_run(self, layer: int, first: int, n: int) -> bool:
         """Whether experts first..first+n-1 are one range in this tier (one transfer)."""
