@@ -125,3 +125,15 @@ def test_no_traceback_from_the_installed_command(ckpt):
     p = subprocess.run([sys.executable, "-m", "expertcache.cli", "run", "-m", str(ckpt / "missing"), "-p", "x"],
                        capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+
+
+def test_every_subcommand_has_help(capsys):
+    from expertcache.cli import build_parser
+
+    commands = [["run"], ["info"], ["pack"], ["synth"], ["perplexity"], ["serve"], ["trace", "record"],
+                ["trace", "simulate"], ["trace", "stats"], ["bench", "cache"], ["bench", "speed"], ["bench", "serve"]]
+    for argv in commands:
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args([*argv, "--help"])
+        assert e.value.code == 0, argv
+        assert "usage: expertcache" in capsys.readouterr().out

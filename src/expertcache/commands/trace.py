@@ -223,7 +223,8 @@ def register(sub) -> None:
     s = tsub.add_parser("simulate", help="replay a trace through each policy and Belady's MIN")
     s.add_argument("trace")
     s.add_argument("--capacity", default=DEFAULT_CAPACITIES,
-                   help=f"comma-separated percentages of all experts or slot counts (default: {DEFAULT_CAPACITIES})")
+                   help="comma-separated percentages of all experts or slot counts (default: "
+                   + DEFAULT_CAPACITIES.replace("%", "%%") + ")")
     s.add_argument("--policy", default="all", help="'all' (default) or a comma-separated list of policies")
     s.add_argument("--plot", help="draw hit rate against capacity into this PNG")
     s.set_defaults(func=cmd_simulate)
