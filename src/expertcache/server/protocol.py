@@ -240,26 +240,26 @@ def completion_response(rid: str, model: str, res: GenerationResult) -> dict:
             "usage": usage(res), "timings": res.timings()}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish: str | None = None,
-               usage_: dict | None = None, timings: dict | None = None) -> dict:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+def _chunk(obj: str, rid: str, model: str, created: int, choice: dict | None, usage_: dict | None,
+           timings: dict | None) -> dict:
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [] if choice is None else [choice]}
     if usage_ is not None:
         out["usage"] = usage_
     if timings is not None:
         out["timings"] = timings
     return out
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish: str | None = None,
+               usage_: dict | None = None, timings: dict | None = None) -> dict:
+    choice = None if delta is None else {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return _chunk("chat.completion.chunk", rid, model, created, choice, usage_, timings)
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None, finish: str | None = None,
                      usage_: dict | None = None, timings: dict | None = None) -> dict:
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
-    out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
-    if usage_ is not None:
-        out["usage"] = usage_
-    if timings is not None:
-        out["timings"] = timings
-    return out
+    choice = None if text is None else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return _chunk("text_completion", rid, model, created, choice, usage_, timings)
 
 
 def sse(obj) -> bytes:
