@@ -101,3 +101,24 @@ def tiny_checkpoint(tmp_path):
         return ref, d
 
     return make
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    """Run the `expertcache` command in-process: (exit code, stderr)."""
+    from expertcache.cli import main
+
+    capsys.readouterr()  # drop what fixtures printed
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse's own errors exit from parse_args
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], lines[0]

@@ -16,7 +16,7 @@ from expertcache import CacheConfig, ExpertCacheError
 from expertcache.checkpoint.pack import pack
 from expertcache.cli import main
 from expertcache.tiers.policy import POLICIES
-from conftest import VOCAB
+from conftest import VOCAB, assert_one_line_error, run_cli
 
 IDS = torch.randint(4, VOCAB, (48,), generator=torch.Generator().manual_seed(3))
 EXPERTS, LAYERS = 16, 3
@@ -230,13 +230,7 @@ def test_run_json_reports_hit_rate(checkpoints, capsys):
     (["--cache-fraction", "1.5"], "1.5"),
 ])
 def test_bad_cache_flags(checkpoints, capsys, argv, needle):
-    capsys.readouterr()
-    try:
-        code = main(["run", "-m", str(checkpoints["plain"]), "-p", "w1", *argv])
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
-    assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+    assert_one_line_error(*run_cli(capsys, "run", "-m", str(checkpoints["plain"]), "-p", "w1", *argv), needle)
 
 
 def test_interrupted_pack_leaves_nothing(checkpoints, tmp_path, monkeypatch):

@@ -9,23 +9,7 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from expertcache.cli import main
-
-
-def run_cli(capsys, *argv) -> tuple[int, str]:
-    capsys.readouterr()  # drop what fixtures printed
-    code = main(list(argv))
-    err = capsys.readouterr().err
-    return code, err
-
-
-def assert_one_line_error(code: int, err: str, *needles: str) -> None:
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    for n in needles:
-        assert n in lines[0], lines[0]
+from conftest import assert_one_line_error, run_cli
 
 
 @pytest.fixture
@@ -108,12 +92,7 @@ def test_non_utf8_prompt_file(capsys, ckpt, tmp_path):
     (["--cache-mem", "12 parsecs"], "12 parsecs"),
 ])
 def test_bad_flag_values(capsys, ckpt, argv, needle):
-    capsys.readouterr()
-    try:
-        code, err = run_cli(capsys, "run", "-m", str(ckpt), "-p", "w1", *argv)
-    except SystemExit as e:  # argparse's own errors exit from parse_args
-        code, err = e.code, capsys.readouterr().err
-    assert_one_line_error(code, err, needle)
+    assert_one_line_error(*run_cli(capsys, "run", "-m", str(ckpt), "-p", "w1", *argv), needle)
 
 
 def test_prompt_too_long_for_context(capsys, ckpt):

@@ -29,6 +29,14 @@ CTX = 384
 TIMEOUT = 30.0
 
 
+def wait_until(condition, what: str) -> None:
+    """Poll a condition another thread makes true (the server's worker), up to TIMEOUT seconds."""
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     from conftest import build_reference, save_checkpoint, tiny_config
@@ -55,10 +63,7 @@ class LiveServer:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + TIMEOUT
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
+        wait_until(lambda: self.server.started, "the server did not start")
 
     def stop(self):
         self.server.should_exit = True
@@ -234,10 +239,7 @@ def test_disconnect_stops_generation_and_frees_the_slot(live):
             lines = r.iter_lines()
             got = [next(lines) for _ in range(3)]
         assert got[0].startswith("data: ")
-    deadline = time.monotonic() + TIMEOUT
-    while sched.snapshot().aborted == before.aborted:
-        assert time.monotonic() < deadline, "the generation was not stopped"
-        time.sleep(0.02)
+    wait_until(lambda: sched.snapshot().aborted != before.aborted, "the generation was not stopped")
     after = sched.snapshot()
     assert after.predicted_tokens - before.predicted_tokens < max_tokens
     with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c:  # the slot serves the next request
@@ -250,10 +252,7 @@ def test_disconnect_stops_generation_and_frees_the_slot(live):
     body = {"prompt": "w1 w2 w3", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(live.url + "/v1/completions", json=body, timeout=0.05)
-    deadline = time.monotonic() + TIMEOUT
-    while sched.snapshot().aborted == after.aborted:
-        assert time.monotonic() < deadline, "the generation was not stopped"
-        time.sleep(0.02)
+    wait_until(lambda: sched.snapshot().aborted != after.aborted, "the generation was not stopped")
     assert sched.snapshot().predicted_tokens - after.predicted_tokens < max_tokens + 2
 
 
@@ -335,10 +334,8 @@ def test_metrics_counters_survive_a_resize(live, oai):
     assert ("expertcache_predicted_tokens_per_second", ()) in m
 
     sched = live.app.state.scheduler
-    deadline = time.monotonic() + TIMEOUT
-    while sched.snapshot().processing or sched.snapshot().deferred:  # the worker is idle before a resize
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    # The worker is idle before a resize.
+    wait_until(lambda: not (sched.snapshot().processing or sched.snapshot().deferred), "the worker stayed busy")
     live.model.resize_cache(CacheConfig(mode="cache", fraction=0.5))
     oai.completions.create(model=live.id, prompt="w5 w6 w7", max_tokens=4, temperature=0)
     m2 = scrape()

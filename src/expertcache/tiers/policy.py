@@ -190,18 +190,7 @@ class LFU(Policy):
 
     def evict(self, pinned: Set[ExpertKey]) -> ExpertKey:
         self._check_evictable(pinned)
-        aside = []
-        while True:
-            entry = heapq.heappop(self._heap)
-            if not self._valid(entry):
-                continue
-            if entry[2] in pinned:
-                aside.append(entry)
-                continue
-            break
-        for e in aside:
-            heapq.heappush(self._heap, e)
-        key = entry[2]
+        key = _pop_unpinned(self._heap, self._valid, pinned)
         del self._count[key], self._last[key]
         return key
 
