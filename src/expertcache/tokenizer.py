@@ -99,15 +99,23 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Turns generated token ids into text pieces, holding back incomplete UTF-8 sequences."""
+    """Turns generated token ids into text pieces, holding back incomplete UTF-8 sequences.
+
+    Each step decodes only a short window (the tokens since the last emitted piece, plus the one
+    before them for context such as a leading space), so streaming costs the same per token
+    however long the generation gets.
+    """
 
     def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer, self.ids, self.emitted = tokenizer, [], 0
+        self.tokenizer, self.ids = tokenizer, []
+        self.prefix = 0  # window start: one piece back, for context
+        self.read = 0    # tokens already emitted as text
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
+        before = self.tokenizer.decode(self.ids[self.prefix: self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
-        piece, self.emitted = text[self.emitted:], len(text)
-        return piece
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
