@@ -61,6 +61,28 @@ def prepacked_path():
     return run, packed
 
 
+def positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        return value
+    return parse
+
+
+def row_counts(text: str) -> list[int]:
+    try:
+        rows = [int(r) for r in text.split(",")]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated row counts >= 1, got {text!r}")
+    return rows
+
+
 def rate(fn, weights, m: int, seconds: float) -> float:
     """Seconds per product, over whole passes through the weights."""
     x = torch.randn(m, K, dtype=torch.bfloat16)
@@ -76,13 +98,13 @@ def rate(fn, weights, m: int, seconds: float) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rows", default="1,8,32,128,512", help="comma-separated row counts M")
-    ap.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
+    ap.add_argument("--threads", type=positive(int), default=2)
+    ap.add_argument("--rows", type=row_counts, default="1,8,32,128,512", help="comma-separated row counts M")
+    ap.add_argument("--seconds", type=positive(float), default=0.5, help="time per measurement")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    rows = [int(r) for r in args.rows.split(",")]
+    rows = args.rows
     weights = [torch.randn(N, K, dtype=torch.bfloat16) * 0.02 for _ in range(MATRICES)]
     flags = cpu_flags()
     amx = sorted(f for f in flags if f.startswith("amx"))
