@@ -20,6 +20,7 @@ from expertcache.bench.trace import (
     reuse_distances,
     run_prompts,
     save_trace,
+    top_counts,
 )
 from expertcache.cli import main
 from expertcache.errors import ExpertCacheError
@@ -222,6 +223,8 @@ def test_popularity_and_reuse_distances_by_hand():
                   np.array([[0], [3], [0], [3], [1], [0]]))
     pop = popularity(trace)
     assert pop[0]["uses"] == 4 and pop[0]["top10_share"] == 0.75 and pop[0]["top25_share"] == 0.75
+    # the top 10% / 25% of a layer, rounded up: 1 / 1 of 4 experts, 4 / 8 of 32, 13 / 32 of 128
+    assert top_counts(4) == (1, 1) and top_counts(32) == (4, 8) and top_counts(128) == (13, 32)
     assert pop[0]["entropy_bits"] == pytest.approx(-(0.75 * np.log2(0.75) + 0.25 * np.log2(0.25)))
     assert pop[1]["entropy_bits"] == 0.0 and pop[1]["unused_experts"] == 3
     d = reuse_distances(trace)

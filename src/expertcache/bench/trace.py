@@ -339,6 +339,11 @@ def select(trace: Trace, phase: str | None) -> np.ndarray:
     return trace.phase == PHASES.index(phase)
 
 
+def top_counts(num_experts: int) -> tuple[int, int]:
+    """How many experts are the top 10% and the top 25% of a layer's `num_experts` (rounded up)."""
+    return max(1, math.ceil(0.10 * num_experts)), max(1, math.ceil(0.25 * num_experts))
+
+
 def popularity(trace: Trace, phase: str | None = None) -> dict[int, dict]:
     """Per layer, how skewed expert use is, counting one use per (op, distinct expert):
     the share of uses that go to the top 10% and 25% of experts, and the entropy of the use
@@ -346,6 +351,7 @@ def popularity(trace: Trace, phase: str | None = None) -> dict[int, dict]:
     used = trace.used()[select(trace, phase)]  # [n, E]
     layers = trace.layer[select(trace, phase)]
     E = trace.header.num_experts
+    n10, n25 = top_counts(E)
     out = {}
     for layer in trace.header.moe_layers:
         counts = used[layers == layer].sum(axis=0)  # [E]
@@ -356,8 +362,8 @@ def popularity(trace: Trace, phase: str | None = None) -> dict[int, dict]:
         p = counts[counts > 0] / total
         out[layer] = {
             "uses": total,
-            "top10_share": float(ranked[: max(1, math.ceil(0.10 * E))].sum() / total),
-            "top25_share": float(ranked[: max(1, math.ceil(0.25 * E))].sum() / total),
+            "top10_share": float(ranked[:n10].sum() / total),
+            "top25_share": float(ranked[:n25].sum() / total),
             "entropy_bits": float(-(p * np.log2(p)).sum()),
             "max_entropy_bits": math.log2(E),
             "unused_experts": int((counts == 0).sum()),

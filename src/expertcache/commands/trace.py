@@ -171,7 +171,7 @@ def _plot(path: str, title: str, rows, total_experts: int) -> None:
 
 
 def cmd_stats(args) -> int:
-    from ..bench.trace import load_trace, popularity, reuse_distances, reuse_summary
+    from ..bench.trace import load_trace, popularity, reuse_distances, reuse_summary, top_counts
 
     trace = load_trace(args.trace)
     phase = None if args.phase == "all" else args.phase
@@ -192,7 +192,9 @@ def cmd_stats(args) -> int:
               f"{p['entropy_bits']:>6.2f}/{p['max_entropy_bits']:<5.2f} {p['unused_experts']:>6} "
               f"{s.get('p50', 0):>5.0f} {s.get('p75', 0):>5.0f} {s.get('p90', 0):>6.0f} {s.get('p99', 0):>6.0f} "
               f"{s.get('share_le_1', 0):>5.2f} {s.get('share_le_4', 0):>5.2f} {s.get('share_le_16', 0):>5.2f}")
-    print("top10%/top25%: share of uses that go to the most used 10%/25% of experts (uniform: 0.10/0.25); "
+    n10, n25 = top_counts(h.num_experts)
+    print(f"top10%/top25%: share of uses that go to the {n10}/{n25} most used of {h.num_experts} experts "
+          f"(uniform: {n10 / h.num_experts:.3f}/{n25 / h.num_experts:.3f}); "
           f"entropy in bits (uniform: log2({h.num_experts})).")
     print(json.dumps({"trace": args.trace, "phase": args.phase, "layers": {str(k): v for k, v in layers.items()}}))
     return 0
