@@ -89,4 +89,6 @@ def _moe_one_token(x: torch.Tensor, routing: Routing, provider: ExpertProvider, 
             ys[e] = swiglu(x, gate_up, down)                       # [1, D]
     out = torch.cat([ys[e] for e in ranked])                       # [A, D] in rank order
     w = routing.weights.to(out.dtype)                              # [1, A]
-    return w @ out                                                 # [1, D]
+    # As a matrix-vector product over the A outputs: `linear` takes the BLAS path for one bf16
+    # row, ~10x faster here than oneDNN's [1, A] x [A, D] product.
+    return linear(w, out.t())                                      # [1, D]
