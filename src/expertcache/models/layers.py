@@ -181,5 +181,8 @@ class MLPWeights:
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    g, u = linear(x, gate_up).chunk(2, dim=-1)  # [T, I] each
-    return linear(F.silu(g) * u, down)          # [T, D]
+    I = down.shape[1]
+    gu = linear(x, gate_up)                     # [T, 2I]
+    # Two slices rather than chunk(): the same views, at a fraction of chunk's dispatch cost,
+    # which counts 16 times a decode step at top-8.
+    return linear(F.silu(gu[:, :I]) * gu[:, I:], down)  # [T, D]
