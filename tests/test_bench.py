@@ -4,6 +4,8 @@ replay forces the recorded routing."""
 from __future__ import annotations
 
 import json
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 import expertcache
 from expertcache.bench.cache_bench import RoutingReplay
+from expertcache.bench.speed import median_ratio
 from expertcache.bench.trace import Trace, TraceHeader
 from expertcache.checkpoint.synth import synth
 from expertcache.cli import main
@@ -79,3 +82,47 @@ def test_bench_speed_prints_table_and_json(synth_model, capsys):
     assert set(res["prefill"]) == {"16", "32"} and res["decode"]["tok_s"] > 0
     assert 0 < res["overhead"]["outside_matmul_fraction"] < 1
     assert out["results"][1]["decode"]["ratio_to_bound"] > 0
+
+
+def test_median_ratio_pairs_each_run_with_its_partner():
+    # per-pair ratios 2, 1, 5: the median is 2, whatever the medians of either side alone (3 and 2)
+    assert median_ratio([2.0, 3.0, 10.0], [1.0, 3.0, 2.0]) == 2.0
+    with pytest.raises(ValueError):
+        median_ratio([1.0, 2.0], [1.0])
+
+
+class FakeLlama:
+    """Stands in for llama_cpp.Llama: records what it is asked to evaluate, in order."""
+    calls: list = []
+
+    def __init__(self, model_path, n_ctx, **kw):
+        self.n_ctx, self.n_tokens = n_ctx, 0
+        self.scores = np.zeros((n_ctx, 300), dtype=np.float32)
+        FakeLlama.calls.append(("load", model_path))
+
+    def reset(self):
+        self.n_tokens = 0
+
+    def eval(self, tokens):
+        assert self.n_tokens + len(tokens) <= self.n_ctx
+        self.n_tokens += len(tokens)
+        FakeLlama.calls.append(("eval", len(tokens)))
+
+
+def test_bench_speed_vs_llamacpp_alternates_pairs(synth_model, capsys, monkeypatch):
+    FakeLlama.calls = []
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    assert main(["bench", "speed", "-m", str(synth_model), "--fractions", "0.5", "--prefill", "16,32",
+                 "--decode", "3", "-t", "1", "--vs-llamacpp", "w.gguf", "--pairs", "3"]) == 0
+    text = capsys.readouterr().out
+    lc = json.loads(text.strip().splitlines()[-1])["llamacpp"]
+    assert lc["pairs"] == 3 and set(lc["runs"]) == {"decode", "prefill_16", "prefill_32"}
+    for k, v in lc["runs"].items():
+        assert len(v["ours"]) == len(v["llamacpp"]) == 3
+        assert lc["ratios"][k] == median_ratio(v["ours"], v["llamacpp"])
+    # one untimed warm-up of the longest prompt, then per pair: decode (64-token prompt + 3 steps),
+    # and each prefill twice (untimed, timed)
+    evals = [n for c, n in FakeLlama.calls if c == "eval"]
+    assert FakeLlama.calls[0] == ("load", "w.gguf")
+    assert evals == [32, 32] + 3 * ([64, 1, 1, 1] + [16, 16, 32, 32])
+    assert "ratios (ours / llama.cpp): decode" in text

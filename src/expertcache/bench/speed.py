@@ -11,7 +11,8 @@ to what the machine can do.
   ratio of the measured time to it.
 - The per-token cost outside the matrix products (Python, dispatch, bookkeeping), from the torch
   profiler, and the cache's own bookkeeping per MoE op as a fraction of the step.
-- `--vs-llamacpp FILE.gguf` runs llama.cpp (llama-cpp-python) on the same weights in the same run.
+- `--vs-llamacpp FILE.gguf` runs llama.cpp (llama-cpp-python) on the same weights in the same run,
+  alternating with our resident mode `--pairs` times, and reports the median of the pairs' ratios.
 Table, then one JSON line.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import statistics
 import sys
 import time
 
@@ -166,32 +168,65 @@ def overhead_profile(model, prompt: list[int], n: int = 16) -> dict:
             "note": "profiled steps run slower than unprofiled ones; compare fractions, not times"}
 
 
-def llamacpp_speed(gguf: str, threads: int, prompt: list[int], decode: int, prefills: tuple[int, ...]) -> dict:
-    from ..errors import ExpertCacheError
+class LlamaCpp:
+    """llama.cpp (llama-cpp-python) on a GGUF of the same weights, timed as `_decode`/`_prefill` time ours."""
 
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        raise ExpertCacheError("--vs-llamacpp needs llama-cpp-python (pip install llama-cpp-python)") from None
-    llm = Llama(model_path=gguf, n_ctx=max(prefills) + decode + 8, n_threads=threads, n_threads_batch=threads,
-                n_batch=512, n_ubatch=512, verbose=False)
-    out = {"prefill": {}}
-    for p in prefills:
+    def __init__(self, gguf: str, threads: int, n_ctx: int) -> None:
+        from ..errors import ExpertCacheError
+
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise ExpertCacheError("--vs-llamacpp needs llama-cpp-python (pip install llama-cpp-python)") from None
+        self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, n_ubatch=512, verbose=False)
+
+    def prefill(self, tokens: list[int]) -> float:
+        llm = self.llm
         llm.reset()
-        llm.eval(prompt[:p])  # untimed, as for ours
+        llm.eval(tokens)  # untimed, as for ours
         llm.reset()
         t = time.perf_counter()
-        llm.eval(prompt[:p])
-        out["prefill"][str(p)] = p / (time.perf_counter() - t)
-    llm.reset()
-    llm.eval(prompt[:64])
-    tok = prompt[64]
-    t = time.perf_counter()
-    for _ in range(decode):
-        llm.eval([tok])
-        tok = int(llm.scores[llm.n_tokens - 1].argmax())
-    out["decode_tok_s"] = decode / (time.perf_counter() - t)
-    return out
+        llm.eval(tokens)
+        return len(tokens) / (time.perf_counter() - t)
+
+    def decode(self, prompt: list[int], n: int) -> float:
+        llm = self.llm
+        llm.reset()
+        llm.eval(prompt)
+        tok = prompt[-1]
+        t = time.perf_counter()
+        for _ in range(n):
+            llm.eval([tok])
+            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        return n / (time.perf_counter() - t)
+
+
+def median_ratio(ours: list[float], theirs: list[float]) -> float:
+    """The median of the per-pair ratios ours[i] / theirs[i]: each pair ran back to back, so the
+    host's load, which changes from minute to minute, weighs on both sides of a ratio alike."""
+    return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+
+
+def side_by_side(model, gguf: str, threads: int, prompt: list[int], decode: int, prefills: list[int],
+                 ubatch: int, pairs: int) -> dict:
+    """Alternate ours (resident) and llama.cpp `pairs` times on each measurement."""
+    lc = LlamaCpp(gguf, threads, n_ctx=max(prefills) + decode + 72)
+    # llama.cpp maps the GGUF and reads weights on first touch; ours filled its slots at load. One
+    # untimed pass of the longest prompt touches (nearly) every expert, so neither side pays that.
+    lc.prefill(prompt[:max(prefills)])
+    runs: dict[str, dict[str, list[float]]] = {}
+    keys = ["decode"] + [f"prefill_{p}" for p in prefills]
+    for k in keys:
+        runs[k] = {"ours": [], "llamacpp": []}
+    for _ in tqdm(range(pairs), desc="vs llama.cpp", unit="pair", file=sys.stderr):
+        runs["decode"]["ours"].append(_decode(model, prompt[:64], decode)["tok_s"])
+        runs["decode"]["llamacpp"].append(lc.decode(prompt[:64], decode))
+        for p in prefills:
+            runs[f"prefill_{p}"]["ours"].append(_prefill(model, prompt[:p], ubatch)["tok_s"])
+            runs[f"prefill_{p}"]["llamacpp"].append(lc.prefill(prompt[:p]))
+    return {"pairs": pairs, "runs": runs,
+            "ratios": {k: median_ratio(v["ours"], v["llamacpp"]) for k, v in runs.items()}}
 
 
 def run(args) -> dict:
@@ -239,11 +274,10 @@ def run(args) -> dict:
     out = {"bench": "speed", "model": str(args.model), "threads": args.threads, "machine": machine,
            "results": results}
     if args.vs_llamacpp:
-        lc = llamacpp_speed(args.vs_llamacpp, args.threads, prompt, args.decode, tuple(args.prefill))
-        res = results[0]
-        lc["ratios"] = {"decode": res["decode"]["tok_s"] / lc["decode_tok_s"],
-                        **{f"prefill_{p}": res["prefill"][p]["tok_s"] / v for p, v in lc["prefill"].items()}}
-        out["llamacpp"] = lc
+        model = expertcache.load(args.model, dtype=args.dtype, cache=CacheConfig(mode="resident", store="ram"),
+                                 ctx_size=max(args.prefill) + args.decode + 72)
+        out["llamacpp"] = side_by_side(model, args.vs_llamacpp, args.threads, prompt, args.decode, args.prefill,
+                                       args.ubatch, args.pairs)
     return out
 
 
@@ -280,9 +314,13 @@ def table(out: dict) -> str:
                   f"({o['bookkeeping_fraction_of_step']:.1%} of the step)"]
     if "llamacpp" in out:
         lc = out["llamacpp"]
-        lines += ["", "llama.cpp: decode {:.1f} t/s; prefill {}".format(
-            lc["decode_tok_s"], ", ".join(f"{p}: {v:.1f} t/s" for p, v in lc["prefill"].items())),
-            "ratios (ours / llama.cpp): " + ", ".join(f"{k} {v:.2f}x" for k, v in lc["ratios"].items())]
+        head = f"{'t/s, pair by pair':<14} {'ours (resident)':>26} {'llama.cpp':>26} {'ratio':>7}"
+        lines += ["", f"llama.cpp side by side: {lc['pairs']} pairs, each ours then llama.cpp back to back; "
+                  "ratio = median of the pairs' ratios", head, "-" * len(head)]
+        for k, v in lc["runs"].items():
+            lines.append(f"{k:<14} {' '.join(f'{x:.1f}' for x in v['ours']):>26} "
+                         f"{' '.join(f'{x:.1f}' for x in v['llamacpp']):>26} {lc['ratios'][k]:>6.2f}x")
+        lines.append("ratios (ours / llama.cpp): " + ", ".join(f"{k} {v:.2f}x" for k, v in lc["ratios"].items()))
     return "\n".join(lines)
 
 
@@ -310,4 +348,6 @@ def add_parser(suites) -> None:
     p.add_argument("--ubatch", type=positive_int, default=512)
     p.add_argument("--dtype")
     p.add_argument("--vs-llamacpp", metavar="FILE.gguf", help="also run llama.cpp on these weights (llama-cpp-python)")
+    p.add_argument("--pairs", type=positive_int, default=3,
+                   help="with --vs-llamacpp: how many times to alternate ours and llama.cpp (default: 3)")
     p.set_defaults(func=cmd_bench_speed)
