@@ -380,8 +380,8 @@ class LRFU(Policy):
 
     Each key has a score, the sum over its past uses of 2^(-age / half_life), age in ops (the op
     index of `begin_op`): a use adds 1 and the score halves every `half_life` ops (default
-    4 x capacity: within a few percent of the best of 1 to 8 x on every trace of the bundled
-    model, docs/benchmarks.md). Evicts the resident, unpinned key with the lowest score; ties go
+    4 x capacity: the best of 1 to 8 x, or within 2% of it, at 25% and 50% capacity on the bundled
+    model's traces but one, where it is 7% behind, docs/benchmarks.md). Evicts the resident, unpinned key with the lowest score; ties go
     to the least recently used, then the smaller key. A short half-life makes it LRU, a long one LFU.
 
     Unlike `LFU`, scores survive eviction: the key space of a model is small and bounded (its
@@ -556,8 +556,8 @@ class Belady(Policy):
 
 
 # Chosen on routing traces of the bundled model (docs/benchmarks.md, "Routing traces and policies"):
-# fewer misses than every other policy at 10-75% capacity on every trace but one (long-prefill at
-# 75%, where S3-FIFO misses 3% less).
+# fewer misses than every other policy at 10-50% capacity on every trace, and at 75% on one of the
+# three (on the other two S3-FIFO misses 2-4% less, and LFU 0.4% less on one).
 DEFAULT_POLICY = "lrfu"
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (LRU, LFU, S3FIFO, ARC, LRFU)}
 
