@@ -17,6 +17,7 @@ from expertcache.bench.speed import median_ratio
 from expertcache.bench.trace import Trace, TraceHeader
 from expertcache.checkpoint.synth import synth
 from expertcache.cli import main
+from conftest import assert_one_line_error, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -109,11 +110,13 @@ class FakeLlama:
         FakeLlama.calls.append(("eval", len(tokens)))
 
 
-def test_bench_speed_vs_llamacpp_alternates_pairs(synth_model, capsys, monkeypatch):
+def test_bench_speed_vs_llamacpp_alternates_pairs(synth_model, capsys, monkeypatch, tmp_path):
     FakeLlama.calls = []
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    gguf = tmp_path / "w.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
     assert main(["bench", "speed", "-m", str(synth_model), "--fractions", "0.5", "--prefill", "16,32",
-                 "--decode", "3", "-t", "1", "--vs-llamacpp", "w.gguf", "--pairs", "3"]) == 0
+                 "--decode", "3", "-t", "1", "--vs-llamacpp", str(gguf), "--pairs", "3"]) == 0
     text = capsys.readouterr().out
     lc = json.loads(text.strip().splitlines()[-1])["llamacpp"]
     assert lc["pairs"] == 3 and set(lc["runs"]) == {"decode", "prefill_16", "prefill_32"}
@@ -123,6 +126,15 @@ def test_bench_speed_vs_llamacpp_alternates_pairs(synth_model, capsys, monkeypat
     # one untimed warm-up of the longest prompt, then per pair: decode (64-token prompt + 3 steps),
     # and each prefill twice (untimed, timed)
     evals = [n for c, n in FakeLlama.calls if c == "eval"]
-    assert FakeLlama.calls[0] == ("load", "w.gguf")
+    assert FakeLlama.calls[0] == ("load", str(gguf))
     assert evals == [32, 32] + 3 * ([64, 1, 1, 1] + [16, 16, 32, 32])
     assert "ratios (ours / llama.cpp): decode" in text
+
+
+def test_bench_speed_vs_llamacpp_rejects_a_bad_file_before_running(synth_model, capsys, tmp_path):
+    code, err = run_cli(capsys, "bench", "speed", "-m", str(synth_model), "--vs-llamacpp", str(tmp_path / "no.gguf"))
+    assert_one_line_error(code, err, "no.gguf", "cannot read", "GGUF")
+    text = tmp_path / "w.safetensors"
+    text.write_bytes(b"\x08\x00\x00\x00{}")
+    code, err = run_cli(capsys, "bench", "speed", "-m", str(synth_model), "--vs-llamacpp", str(text))
+    assert_one_line_error(code, err, "w.safetensors", "not a GGUF file")

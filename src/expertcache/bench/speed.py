@@ -168,18 +168,42 @@ def overhead_profile(model, prompt: list[int], n: int = 16) -> dict:
             "note": "profiled steps run slower than unprofiled ones; compare fractions, not times"}
 
 
+def llama_class():
+    from ..errors import ExpertCacheError
+
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise ExpertCacheError("--vs-llamacpp needs llama-cpp-python (pip install llama-cpp-python)") from None
+    return Llama
+
+
+def check_gguf(path: str) -> None:
+    """Fail before the benchmark, not after it: the file must exist and start with the GGUF magic."""
+    from ..errors import ExpertCacheError
+
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ExpertCacheError(f"--vs-llamacpp {path}: cannot read it ({e.strerror}); expected a GGUF file "
+                               "(python tools/to_gguf.py -m MODEL -o FILE.gguf)") from None
+    if magic != b"GGUF":
+        raise ExpertCacheError(f"--vs-llamacpp {path}: not a GGUF file (it starts with {magic!r}, expected b'GGUF')")
+
+
 class LlamaCpp:
     """llama.cpp (llama-cpp-python) on a GGUF of the same weights, timed as `_decode`/`_prefill` time ours."""
 
     def __init__(self, gguf: str, threads: int, n_ctx: int) -> None:
         from ..errors import ExpertCacheError
 
+        Llama = llama_class()
         try:
-            from llama_cpp import Llama
-        except ImportError:
-            raise ExpertCacheError("--vs-llamacpp needs llama-cpp-python (pip install llama-cpp-python)") from None
-        self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         n_batch=512, n_ubatch=512, verbose=False)
+            self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                             n_batch=512, n_ubatch=512, verbose=False)
+        except ValueError as e:  # llama-cpp-python's way of saying it could not load the file
+            raise ExpertCacheError(f"--vs-llamacpp {gguf}: llama.cpp could not load it ({e})") from None
 
     def prefill(self, tokens: list[int]) -> float:
         llm = self.llm
@@ -328,6 +352,9 @@ def cmd_bench_speed(args) -> int:
     from ..checkpoint.loader import open_checkpoint
 
     open_checkpoint(args.model)
+    if args.vs_llamacpp:
+        check_gguf(args.vs_llamacpp)
+        llama_class()
     out = run(args)
     print(table(out))
     print(json.dumps(out))
