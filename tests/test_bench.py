@@ -82,7 +82,16 @@ def test_bench_speed_prints_table_and_json(synth_model, capsys):
     res = out["results"][0]
     assert set(res["prefill"]) == {"16", "32"} and res["decode"]["tok_s"] > 0
     assert 0 < res["overhead"]["outside_matmul_fraction"] < 1
-    assert out["results"][1]["decode"]["ratio_to_bound"] > 0
+    copy_bw = out["machine"]["copy_bw"]
+    for r in out["results"][1:]:  # cache, staging: timed in pairs right after the resident mode
+        d = r["decode"]
+        assert len(d["bound_pairs"]) == 3
+        for pair in d["bound_pairs"]:
+            assert pair["bound_ms"] == pytest.approx(pair["resident_ms"] + 1e3 * pair["missed_bytes_per_token"] / copy_bw)
+        assert d["ratio_to_bound"] == median_ratio([p["ms"] for p in d["bound_pairs"]],
+                                                   [p["bound_ms"] for p in d["bound_pairs"]])
+    # staging copies every expert it uses, and every decode step uses some
+    assert all(p["missed_bytes_per_token"] > 0 for p in out["results"][2]["decode"]["bound_pairs"])
 
 
 def test_median_ratio_pairs_each_run_with_its_partner():

@@ -8,7 +8,8 @@ to what the machine can do.
   and achieved matrix FLOP/s as a fraction of a measured matrix-product rate in the model's dtype.
 - `resident` mode and `cache` mode at 25/50/75% (and `staging`) with the `ram` store; for cache
   and staging, the decode bound `resident time + missed bytes / measured copy bandwidth` and the
-  ratio of the measured time to it.
+  ratio of the measured time to it, each mode timed `--pairs` times right after the resident
+  mode (kept loaded for this) and the median of the pairs' ratios reported.
 - The per-token cost outside the matrix products (Python, dispatch, bookkeeping), from the torch
   profiler, and the cache's own bookkeeping per MoE op as a fraction of the step.
 - `--vs-llamacpp FILE.gguf` runs llama.cpp (llama-cpp-python) on the same weights in the same run,
@@ -263,6 +264,7 @@ def run(args) -> dict:
     machine = {"read_bw": measure_read_bandwidth(args.threads), "copy_bw": measure_copy_bandwidth()}
     results = []
     prompt: list[int] = []
+    resident = None  # kept loaded: every other mode's bound is timed in pairs against it
     bar = tqdm(configs, desc="bench speed", unit="config", file=sys.stderr)
     for mode, frac in bar:
         model = expertcache.load(args.model, dtype=args.dtype, cache=CacheConfig(mode=mode, fraction=frac, store="ram"),
@@ -270,7 +272,8 @@ def run(args) -> dict:
         if "matmul_rate" not in machine:
             machine["matmul_rate"] = measure_matmul_rate(model.cfg.hidden_size, model.cfg.moe_intermediate_size,
                                                          model.net.dtype)
-        prompt = torch.randint(0, model.cfg.vocab_size, (max(args.prefill) + 64,), generator=gen).tolist()
+        if not prompt:  # one prompt for every mode, so that every mode routes the same tokens
+            prompt = torch.randint(0, model.cfg.vocab_size, (max(args.prefill) + 64,), generator=gen).tolist()
         model.generate(prompt[:16], max_tokens=4, ignore_eos=True)  # warm-up
         row = {"mode": mode, "fraction": frac, "capacity": model.experts.capacity,
                "decode": _decode(model, prompt[:64], args.decode),
@@ -286,23 +289,32 @@ def run(args) -> dict:
         if mode == "resident":
             row["overhead"] = overhead_profile(model, prompt[:64])
             row["weight_bytes_per_token"] = bpt
+            resident = model
+        else:
+            d.update(bound_pairs(resident, model, prompt[:64], args.decode, machine["copy_bw"], args.pairs))
+            del model
+            gc.collect()
         results.append(row)
-        del model
-        gc.collect()
-    base = results[0]["decode"]["ms_per_token"]
-    for r in results[1:]:
-        d = r["decode"]
-        bound = base + 1e3 * d["missed_bytes_per_token"] / machine["copy_bw"]
-        d["bound_ms_per_token"] = bound
-        d["ratio_to_bound"] = d["ms_per_token"] / bound
-    out = {"bench": "speed", "model": str(args.model), "threads": args.threads, "machine": machine,
-           "results": results}
+    out = {"bench": "speed", "model": str(args.model), "threads": args.threads, "pairs": args.pairs,
+           "machine": machine, "results": results}
     if args.vs_llamacpp:
-        model = expertcache.load(args.model, dtype=args.dtype, cache=CacheConfig(mode="resident", store="ram"),
-                                 ctx_size=max(args.prefill) + args.decode + 72)
-        out["llamacpp"] = side_by_side(model, args.vs_llamacpp, args.threads, prompt, args.decode, args.prefill,
+        out["llamacpp"] = side_by_side(resident, args.vs_llamacpp, args.threads, prompt, args.decode, args.prefill,
                                        args.ubatch, args.pairs)
     return out
+
+
+def bound_pairs(resident, model, prompt: list[int], n: int, copy_bw: float, pairs: int) -> dict:
+    """Decode time per token over `resident time + missed bytes / copy bandwidth`, each resident
+    time taken right before the mode's own, `pairs` times; the median of the pairs' ratios."""
+    runs = []
+    for _ in range(pairs):
+        base = _decode(resident, prompt, n)["ms_per_token"]
+        d = _decode(model, prompt, n)
+        bound = base + 1e3 * d["missed_bytes_per_token"] / copy_bw
+        runs.append({"resident_ms": base, "ms": d["ms_per_token"], "missed_bytes_per_token": d["missed_bytes_per_token"],
+                     "bound_ms": bound})
+    return {"bound_pairs": runs,
+            "ratio_to_bound": median_ratio([r["ms"] for r in runs], [r["bound_ms"] for r in runs])}
 
 
 def table(out: dict) -> str:
@@ -320,6 +332,9 @@ def table(out: dict) -> str:
                      f"{s.get('routing', 0):>6.1f} {s.get('attention', 0):>6.1f} {s.get('experts', 0):>6.1f} "
                      f"{s.get('copies', 0):>6.1f} {s.get('rest', 0) + s.get('lm_head', 0):>6.1f} "
                      f"{d['read_gb_s']:>9.1f} {d['read_fraction']:>7.0%} {bound:>8}")
+    if len(out["results"]) > 1:
+        lines.append(f"vs bound: decode time over (resident's, timed just before, + missed bytes / copy bandwidth), "
+                     f"median of {out['pairs']} such pairs")
     lines.append("")
     head = f"{'mode':<9}{'cap':>5} " + " ".join(f"{'prefill ' + p + ' t/s':>17}" for p in out["results"][0]["prefill"])
     head += f" {'GFLOP/s (512)':>14} {'of peak':>7}"
@@ -376,5 +391,6 @@ def add_parser(suites) -> None:
     p.add_argument("--dtype")
     p.add_argument("--vs-llamacpp", metavar="FILE.gguf", help="also run llama.cpp on these weights (llama-cpp-python)")
     p.add_argument("--pairs", type=positive_int, default=3,
-                   help="with --vs-llamacpp: how many times to alternate ours and llama.cpp (default: 3)")
+                   help="how many times each mode's decode bound, and llama.cpp, is timed back to back with "
+                        "the resident mode; the median of the pairs is reported (default: 3)")
     p.set_defaults(func=cmd_bench_speed)
