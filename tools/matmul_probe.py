@@ -18,11 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from expertcache.commands.common import positive_int  # noqa: E402
 
 K, N, MATRICES = 2048, 1536, 16
 
@@ -61,18 +65,6 @@ def prepacked_path():
     return run, packed
 
 
-def positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = 0
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-        return value
-    return parse
-
-
 def row_counts(text: str) -> list[int]:
     try:
         rows = [int(r) for r in text.split(",")]
@@ -98,10 +90,12 @@ def rate(fn, weights, m: int, seconds: float) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=positive(int), default=2)
+    ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--rows", type=row_counts, default="1,8,32,128,512", help="comma-separated row counts M")
-    ap.add_argument("--seconds", type=positive(float), default=0.5, help="time per measurement")
+    ap.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
     args = ap.parse_args(argv)
+    if not args.seconds > 0:
+        ap.error(f"argument --seconds: expected a number > 0, got {args.seconds}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = args.rows

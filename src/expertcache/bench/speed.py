@@ -28,6 +28,8 @@ import time
 import torch
 from tqdm import tqdm
 
+from ..errors import ExpertCacheError
+
 PREFILLS = (256, 512, 2048)
 # Profiler names of the matrix products (and fused attention) a step runs.
 MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv_",
@@ -170,8 +172,6 @@ def overhead_profile(model, prompt: list[int], n: int = 16) -> dict:
 
 
 def llama_class():
-    from ..errors import ExpertCacheError
-
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -181,8 +181,6 @@ def llama_class():
 
 def check_gguf(path: str) -> None:
     """Fail before the benchmark, not after it: the file must exist and start with the GGUF magic."""
-    from ..errors import ExpertCacheError
-
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -197,8 +195,6 @@ class LlamaCpp:
     """llama.cpp (llama-cpp-python) on a GGUF of the same weights, timed as `_decode`/`_prefill` time ours."""
 
     def __init__(self, gguf: str, threads: int, n_ctx: int) -> None:
-        from ..errors import ExpertCacheError
-
         Llama = llama_class()
         try:
             self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
@@ -240,10 +236,7 @@ def side_by_side(model, gguf: str, threads: int, prompt: list[int], decode: int,
     # llama.cpp maps the GGUF and reads weights on first touch; ours filled its slots at load. One
     # untimed pass of the longest prompt touches (nearly) every expert, so neither side pays that.
     lc.prefill(prompt[:max(prefills)])
-    runs: dict[str, dict[str, list[float]]] = {}
-    keys = ["decode"] + [f"prefill_{p}" for p in prefills]
-    for k in keys:
-        runs[k] = {"ours": [], "llamacpp": []}
+    runs = {k: {"ours": [], "llamacpp": []} for k in ["decode"] + [f"prefill_{p}" for p in prefills]}
     for _ in tqdm(range(pairs), desc="vs llama.cpp", unit="pair", file=sys.stderr):
         runs["decode"]["ours"].append(_decode(model, prompt[:64], decode)["tok_s"])
         runs["decode"]["llamacpp"].append(lc.decode(prompt[:64], decode))
