@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import ExpertCacheError
+from ..memory import host_zeros
 
 PREFILLS = (256, 512, 2048)
 # Profiler names of the matrix products (and fused attention) a step runs.
@@ -37,8 +38,9 @@ MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv_"
 
 
 def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
-    """Bytes/s of a streaming read (a sum) over a buffer far larger than the last-level cache."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    """Bytes/s of a streaming read (a sum) over a buffer far larger than the last-level cache, on
+    the same huge-page memory the weights are in."""
+    buf = host_zeros((nbytes // 4,), torch.float32).fill_(1)  # written: unwritten pages all map one zero page
     best = 0.0
     for _ in range(4):
         t = time.perf_counter()
@@ -49,8 +51,8 @@ def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
 
 def measure_copy_bandwidth(nbytes: int = 1 << 29) -> float:
     """Bytes/s copied host to host (what a slot fill from the `ram` store does), counting bytes copied."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
+    src = host_zeros((nbytes,), torch.uint8).fill_(1)  # written: unwritten pages all map one zero page
+    dst = host_zeros((nbytes,), torch.uint8).fill_(1)
     best = 0.0
     for _ in range(4):
         t = time.perf_counter()

@@ -12,6 +12,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ExpertCacheError
+from ..memory import host_copy
 from ..models import ARCHITECTURES
 from ..models.base import PACKED_LAYOUT, ExpertLayout, LayerWeights, MoEArch
 from ..models.layers import AttentionWeights, MLPWeights
@@ -173,15 +174,19 @@ def load_dense(ckpt: Checkpoint, cfg: ModelConfig, layout: ExpertLayout, device:
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[LayerWeights]]:
     """Embedding, final norm, LM head and every layer's dense weights, in `dtype` on `device`."""
 
+    def read(name: str) -> torch.Tensor:
+        return ckpt.read(name).to(device=device, dtype=dtype)
+
     def get(name: str) -> torch.Tensor:
-        return ckpt.read(name).to(device=device, dtype=dtype).contiguous()
+        # Weights every step reads go to huge-page memory; fused ones are joined first.
+        return host_copy(read(name))
 
     def opt(name: str) -> torch.Tensor | None:
         return get(name) if name in ckpt else None
 
     def mlp(prefix: str) -> MLPWeights:
-        gate_up = torch.cat([ckpt.read(prefix + "gate_proj.weight"), ckpt.read(prefix + "up_proj.weight")])
-        return MLPWeights(gate_up.to(device=device, dtype=dtype).contiguous(), get(prefix + "down_proj.weight"))
+        gate_up = torch.cat([read(prefix + "gate_proj.weight"), read(prefix + "up_proj.weight")])
+        return MLPWeights(host_copy(gate_up), get(prefix + "down_proj.weight"))
 
     embed = get("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
@@ -191,7 +196,7 @@ def load_dense(ckpt: Checkpoint, cfg: ModelConfig, layout: ExpertLayout, device:
         a = p + "self_attn."
         qkv_bias = [opt(a + f"{n}_proj.bias") for n in "qkv"]
         attn = AttentionWeights(
-            qkv=torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"]),
+            qkv=host_copy(torch.cat([read(a + f"{n}_proj.weight") for n in "qkv"])),
             o=get(a + "o_proj.weight"), qkv_bias=torch.cat(qkv_bias) if qkv_bias[0] is not None else None,
             o_bias=opt(a + "o_proj.bias"), q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"))
         lw = LayerWeights(get(p + "input_layernorm.weight"), get(p + "post_attention_layernorm.weight"), attn)

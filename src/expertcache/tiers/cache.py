@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from ..config import CacheConfig
 from ..errors import ExpertCacheError
+from ..memory import host_zeros
 from ..telemetry import Telemetry
 from .layout import expert_views
 from .policy import ExpertKey, make_policy
@@ -72,7 +73,7 @@ class ExpertCache:
     def _allocate(self, capacity: int) -> None:
         self.capacity = capacity
         try:
-            self.pool = torch.zeros(capacity, self.stride, dtype=self.dtype, device=self.device)  # [S, stride]
+            self.pool = host_zeros((capacity, self.stride), self.dtype, self.device)  # [S, stride]
         except (RuntimeError, MemoryError) as e:
             raise ExpertCacheError(f"cannot allocate {capacity} expert slots "
                                    f"({capacity * self.stride * self.dtype.itemsize / 2**20:.0f} MiB): {e}") from None

@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from ..checkpoint.safetensors_io import Segment
+from ..memory import host_zeros
 
 FileVersion = tuple[int, int, int, int, int]
 LARGE_LOAD_BYTES = 256 << 20  # loads larger than this show a progress bar
@@ -74,7 +75,7 @@ class RamStore(ExpertStore):
         with tqdm(total=total, desc="loading experts", unit="expert", leave=False,
                   disable=not progress or total * source.expert_nbytes < LARGE_LOAD_BYTES) as bar:
             for layer in cfg.moe_layers:
-                rows = torch.zeros(cfg.num_experts, stride, dtype=dtype, pin_memory=pin)
+                rows = host_zeros((cfg.num_experts, stride), dtype, pin=pin)
                 for e in range(cfg.num_experts):
                     rows[e, : self.numel].copy_(source.read(layer, e))
                     bar.update()

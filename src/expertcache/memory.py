@@ -1,0 +1,52 @@
+"""Host memory for weights on huge pages.
+
+A decode step streams every weight it uses from memory once (hundreds of MB at real sizes), and
+each 4 KiB page it crosses costs a TLB miss; with 2 MiB pages those misses nearly vanish. Linux
+gives transparent huge pages only to memory that asks for them when the system setting is
+`madvise` (a common default), and torch's allocator does not ask, so the weights, the slot pool,
+the RAM tier and the bandwidth probes that judge them are all allocated here. Elsewhere (other
+systems, GPU tensors, pinned memory, small tensors) this is plain `torch.zeros`.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+_CAN_ADVISE = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
+
+
+def host_zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.device | str = "cpu",
+               pin: bool = False) -> torch.Tensor:
+    """A zero-filled tensor; on a Linux CPU, at least 2 MiB long, on memory advised for huge pages.
+
+    The tensor keeps its mapping alive and unmaps it when the last view of it is gone.
+    """
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * dtype.itemsize
+    if pin or not _CAN_ADVISE or torch.device(device).type != "cpu" or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+    # One extra huge page, so that the tensor can start on a 2 MiB boundary: the kernel backs
+    # only whole, aligned 2 MiB ranges with huge pages. Anonymous mappings are zero-filled.
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:
+        raise MemoryError(f"cannot map {nbytes} bytes: {e.strerror}") from None
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without transparent huge pages: ordinary pages, same data
+        pass
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    skip = -raw.data_ptr() % HUGE_PAGE
+    return raw[skip: skip + nbytes].view(dtype).view(tuple(shape))
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t` copied into `host_zeros` memory (weights that every decode step reads)."""
+    out = host_zeros(t.shape, t.dtype, t.device)
+    out.copy_(t)
+    return out

@@ -1,0 +1,48 @@
+"""Huge-page host memory: zero-filled, aligned, advised, and alive as long as its tensor."""
+
+import gc
+import sys
+
+import pytest
+import torch
+
+from expertcache.memory import HUGE_PAGE, host_copy, host_zeros
+
+
+def vm_flags(address: int) -> set[str]:
+    """The kernel's flags for the mapping that holds `address` (Linux /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_large_tensor_is_zeroed_aligned_and_advised():
+    t = host_zeros((3, HUGE_PAGE // 2 + 5), torch.bfloat16)
+    assert t.shape == (3, HUGE_PAGE // 2 + 5) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert not t.any()
+    if sys.platform != "linux":
+        pytest.skip("huge-page advice is Linux only; elsewhere this is torch.zeros")
+    assert t.data_ptr() % HUGE_PAGE == 0
+    assert "hg" in vm_flags(t.data_ptr())
+
+
+def test_mapping_lives_as_long_as_a_view_of_it():
+    row = host_zeros((4, HUGE_PAGE), torch.uint8)[2]
+    gc.collect()
+    row.fill_(7)  # would fault if the mapping had been released with the parent tensor
+    assert int(row.sum()) == 7 * HUGE_PAGE
+
+
+def test_small_tensors_and_copies():
+    small = host_zeros((2, 3), torch.float32)
+    assert torch.equal(small, torch.zeros(2, 3))
+    src = torch.randn(1024, 1024)
+    dst = host_copy(src)
+    assert torch.equal(dst, src) and dst.data_ptr() != src.data_ptr()
