@@ -199,6 +199,8 @@ def load_dense(ckpt: Checkpoint, cfg: ModelConfig, layout: ExpertLayout, device:
             qkv=host_copy(torch.cat([read(a + f"{n}_proj.weight") for n in "qkv"])),
             o=get(a + "o_proj.weight"), qkv_bias=torch.cat(qkv_bias) if qkv_bias[0] is not None else None,
             o_bias=opt(a + "o_proj.bias"), q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"))
+        if cfg.qk_norm == "head":
+            attn.stack_head_norms(cfg.num_heads, cfg.num_kv_heads)
         lw = LayerWeights(get(p + "input_layernorm.weight"), get(p + "post_attention_layernorm.weight"), attn)
         if cfg.sparse_layers[i]:
             lw.router = get(p + layout.router)

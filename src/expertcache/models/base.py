@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..telemetry import StepTimer
@@ -84,7 +85,7 @@ class MoEModel:
         self.embed, self.norm, self.lm_head, self.layers = embed, norm, lm_head, layers
         self.provider = provider
         self.device, self.dtype = device, dtype
-        self.rotary = Rotary(cfg, device)
+        self.rotary = Rotary(cfg, device, dtype)
         self.routing_hook: RoutingHook | None = None
         # A hook that forces routing (benchmarks replay recorded traces): (layer, routing) -> routing.
         self.routing_override: Callable[[int, Routing], Routing] | None = None
@@ -102,9 +103,8 @@ class MoEModel:
         if self.timer is not None:
             self.timer.start()
         T = tokens.shape[0]
-        positions = torch.arange(kv.length, kv.length + T, device=self.device)
-        cos, sin = self.rotary(positions, self.dtype)
-        h = self.embed[tokens]  # [T, D]
+        cos, sin = self.rotary(kv.length, T)
+        h = F.embedding(tokens, self.embed)  # [T, D]
         for i, lw in enumerate(self.layers):
             h = h + attention(cfg, lw.attn, rms_norm(h, lw.input_norm, cfg.rms_norm_eps), i, kv, cos, sin)
             x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)

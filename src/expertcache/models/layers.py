@@ -46,23 +46,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rotary:
-    """cos/sin tables for positions, computed in fp32 and cast to the compute dtype."""
+    """cos/sin tables by position, computed in fp32 and cast to the compute dtype once; a call
+    slices them. The sign of rotate-half is folded into the sin table: (-x) * s == x * (-s)
+    exactly, and a decode step saves the negation."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device):
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
         inv_freq, self.scale = cfg.rope.inv_freq(cfg.head_dim)
-        self.inv_freq = inv_freq.to(device)
+        self.inv_freq, self.dtype = inv_freq.to(device), dtype
+        self.cos = self.sin = torch.empty(0, cfg.head_dim, device=device, dtype=dtype)
 
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, Dh/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                      # [T, Dh]
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+    def _grow(self, n: int) -> None:
+        positions = torch.arange(n, device=self.inv_freq.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [n, Dh/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                      # [n, Dh]
+        sin = (emb.sin() * self.scale).to(self.dtype)
+        half = sin.shape[-1] // 2
+        self.cos = (emb.cos() * self.scale).to(self.dtype)
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+    def __call__(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [n, Dh] for positions start .. start+n-1."""
+        if start + n > self.cos.shape[0]:
+            self._grow(max(start + n, 2 * self.cos.shape[0], 256))
+        return self.cos[start: start + n], self.sin[start: start + n]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [heads, T, Dh]; cos, sin: [T, Dh]
+    # x: [heads, T, Dh]; cos, sin: [T, Dh], sin signed as `Rotary` makes it
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class KVCache:
@@ -126,24 +138,32 @@ class AttentionWeights:
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # [Dh] (per head) or [H*Dh] (whole projection)
     k_norm: torch.Tensor | None = None
+    qk_norm: torch.Tensor | None = None  # per head: q_norm for H rows, then k_norm for G, [H+G, Dh]
+
+    def stack_head_norms(self, heads: int, kv_heads: int) -> None:
+        if self.q_norm is not None:
+            self.qk_norm = torch.cat((self.q_norm.expand(heads, -1), self.k_norm.expand(kv_heads, -1)))
 
 
 def attention(cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, layer: int, kv: KVCache,
               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     T = x.shape[0]
     H, G, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q, k, v = linear(x, w.qkv, w.qkv_bias).split([H * Dh, G * Dh, G * Dh], dim=-1)  # [T, H*Dh], [T, G*Dh] x2
+    eps = cfg.rms_norm_eps
+    # Queries and keys stay side by side, [T, H+G, Dh], and are normalised and rotated as one
+    # tensor: per element the same arithmetic as doing each alone, in half the calls.
+    qk, v = linear(x, w.qkv, w.qkv_bias).split([(H + G) * Dh, G * Dh], dim=-1)  # [T, (H+G)*Dh], [T, G*Dh]
     if cfg.qk_norm == "full":
-        q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        q, k = qk.split([H * Dh, G * Dh], dim=-1)
+        qk = torch.cat((rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)), dim=-1)
     if cfg.clip_qkv is not None:
-        q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-    q = q.view(T, H, Dh)
-    k = k.view(T, G, Dh)
+        qk, v = qk.clamp(-cfg.clip_qkv, cfg.clip_qkv), v.clamp(-cfg.clip_qkv, cfg.clip_qkv)
+    qk = qk.view(T, H + G, Dh)
     if cfg.qk_norm == "head":
-        q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-    q = apply_rotary(q.transpose(0, 1), cos, sin)  # [H, T, Dh]
-    k = apply_rotary(k.transpose(0, 1), cos, sin)  # [G, T, Dh]
-    v = v.view(T, G, Dh).transpose(0, 1)            # [G, T, Dh]
+        qk = rms_norm(qk, w.qk_norm, eps)                # one weight row per head: [H+G, Dh]
+    qk = apply_rotary(qk.transpose(0, 1), cos, sin)      # [H+G, T, Dh]
+    q, k = qk[:H], qk[H:]                               # [H, T, Dh], [G, T, Dh]
+    v = v.view(T, G, Dh).transpose(0, 1)                # [G, T, Dh]
     P = kv.length
     keys, values = kv.append(layer, k, v)           # [G, P+T, Dh]
     R = H // G
