@@ -4,7 +4,8 @@
 Prefill's expert products have few rows (512 tokens x 8 of 128 experts: 32 rows on average), decode's
 have one. This prints the rate of a [M x 2048] x [2048 x 1536] product (Qwen3-30B-A3B's gate/up)
 for M from 1 to 512 through the paths torch offers on a CPU: `F.linear` (oneDNN), the same with
-oneDNN switched off (the BLAS path the decode step uses for one row), fp32, and oneDNN with the
+oneDNN switched off (the BLAS path the decode step uses for one row), that path again on weights
+in memory advised for huge pages (as the engine allocates them), fp32, and oneDNN with the
 weight packed once ahead of time (which tells whether per-call repacking is what small products
 cost). The weights cycle through 16 matrices (96 MB) so that they come from memory, not the cache.
 It also says whether the CPU has AMX tiles, which decide what bf16 products can reach.
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from expertcache.commands.common import positive_int  # noqa: E402
+from expertcache.memory import host_copy  # noqa: E402
 
 K, N, MATRICES = 2048, 1536, 16
 
@@ -100,20 +102,23 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     rows = args.rows
     weights = [torch.randn(N, K, dtype=torch.bfloat16) * 0.02 for _ in range(MATRICES)]
+    # The same weights on memory advised for huge pages, as the engine keeps them.
+    huge = [host_copy(w) for w in weights]
     flags = cpu_flags()
     amx = sorted(f for f in flags if f.startswith("amx"))
     print(f"cpu: {platform.processor() or platform.machine()}; avx512_bf16: {'avx512_bf16' in flags}; "
           f"amx: {', '.join(amx) if amx else 'none'}; threads {args.threads}")
     packed_fn, packed = prepacked_path()
-    paths = {"linear": F.linear, "onednn-off": no_onednn, "fp32": fp32, "prepacked": packed_fn}
+    paths = {"linear": (F.linear, weights), "onednn-off": (no_onednn, weights),
+             "off+hugepage": (no_onednn, huge), "fp32": (fp32, weights), "prepacked": (packed_fn, weights)}
     results: dict[str, dict[int, float]] = {p: {} for p in paths}
     print(f"\n{'path':12}" + "".join(f"{f'M={m}':>10}" for m in rows) + "   (GFLOP/s)")
     print("-" * (12 + 10 * len(rows) + 14))
-    for name, fn in paths.items():
+    for name, (fn, ws) in paths.items():
         cells = []
         for m in rows:
             packed.clear()  # a packing is specific to the row count it was made for
-            dt = rate(fn, weights, m, args.seconds)
+            dt = rate(fn, ws, m, args.seconds)
             results[name][m] = 2 * m * K * N / dt / 1e9
             cells.append(f"{results[name][m]:10.1f}")
         print(f"{name:12}" + "".join(cells))
