@@ -20,7 +20,8 @@ _CAN_ADVISE = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
 
 def host_zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.device | str = "cpu",
                pin: bool = False) -> torch.Tensor:
-    """A zero-filled tensor; on a Linux CPU, at least 2 MiB long, on memory advised for huge pages.
+    """A zero-filled tensor; on a Linux CPU, at least 2 MiB long, on memory advised for huge pages
+    and faulted in.
 
     The tensor keeps its mapping alive and unmaps it when the last view of it is gone.
     """
@@ -42,7 +43,9 @@ def host_zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: t
         pass
     raw = torch.frombuffer(region, dtype=torch.uint8)
     skip = -raw.data_ptr() % HUGE_PAGE
-    return raw[skip: skip + nbytes].view(dtype).view(tuple(shape))
+    # Written now, so that the pages are faulted in here (as huge pages, while the advice holds)
+    # and not during the first forward that touches them, as torch.zeros would also do.
+    return raw[skip: skip + nbytes].zero_().view(dtype).view(tuple(shape))
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv_"
 def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
     """Bytes/s of a streaming read (a sum) over a buffer far larger than the last-level cache, on
     the same huge-page memory the weights are in."""
-    buf = host_zeros((nbytes // 4,), torch.float32).fill_(1)  # written: unwritten pages all map one zero page
+    buf = host_zeros((nbytes // 4,), torch.float32)
     best = 0.0
     for _ in range(4):
         t = time.perf_counter()
@@ -51,8 +51,8 @@ def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
 
 def measure_copy_bandwidth(nbytes: int = 1 << 29) -> float:
     """Bytes/s copied host to host (what a slot fill from the `ram` store does), counting bytes copied."""
-    src = host_zeros((nbytes,), torch.uint8).fill_(1)  # written: unwritten pages all map one zero page
-    dst = host_zeros((nbytes,), torch.uint8).fill_(1)
+    src = host_zeros((nbytes,), torch.uint8)
+    dst = host_zeros((nbytes,), torch.uint8)
     best = 0.0
     for _ in range(4):
         t = time.perf_counter()
