@@ -3,9 +3,9 @@
 import gc
 import sys
 
-import pytest
 import torch
 
+from expertcache import memory
 from expertcache.memory import HUGE_PAGE, host_copy, host_zeros
 
 
@@ -27,10 +27,21 @@ def test_large_tensor_is_zeroed_aligned_and_advised():
     t = host_zeros((3, HUGE_PAGE // 2 + 5), torch.bfloat16)
     assert t.shape == (3, HUGE_PAGE // 2 + 5) and t.dtype == torch.bfloat16 and t.is_contiguous()
     assert not t.any()
-    if sys.platform != "linux":
-        pytest.skip("huge-page advice is Linux only; elsewhere this is torch.zeros")
-    assert t.data_ptr() % HUGE_PAGE == 0
-    assert "hg" in vm_flags(t.data_ptr())
+    # Where the advice exists (Linux), the tensor starts on a huge page and its mapping carries it.
+    assert memory._CAN_ADVISE == (sys.platform == "linux")
+    if memory._CAN_ADVISE:
+        assert t.data_ptr() % HUGE_PAGE == 0
+        assert "hg" in vm_flags(t.data_ptr())
+
+
+def test_without_the_advice_it_is_plain_torch_memory(monkeypatch):
+    monkeypatch.setattr(memory, "_CAN_ADVISE", False)
+    t = host_zeros((3, HUGE_PAGE), torch.uint8)
+    assert torch.equal(t, torch.zeros(3, HUGE_PAGE, dtype=torch.uint8))
+    t.fill_(1)  # an ordinary, writable allocation
+    assert int(t.sum()) == 3 * HUGE_PAGE
+    if sys.platform == "linux":  # torch's allocator never asks for huge pages
+        assert "hg" not in vm_flags(t.data_ptr())
 
 
 def test_mapping_lives_as_long_as_a_view_of_it():
