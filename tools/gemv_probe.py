@@ -30,54 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from expertcache.commands.common import positive_int  # noqa: E402
+from expertcache.errors import ExpertCacheError  # noqa: E402
+from expertcache.kernels import load_native  # noqa: E402
 from expertcache.memory import host_zeros  # noqa: E402
 from expertcache.models.layers import linear  # noqa: E402
-from matmul_probe import cpu_flags  # noqa: E402  (this script's own folder)
 
 # The decode step's products on Qwen3-30B-A3B's shapes: expert gate/up and down, fused q/k/v, and o.
 SHAPES = [(1536, 2048, 16), (2048, 768, 16), (5120, 2048, 2), (2048, 4096, 2)]  # (N, K, matrices)
-
-KERNEL = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-
-// y[n] = sum_k w[n, k] x[k], one row at a time, U accumulators per row; K % 32 == 0.
-template <int U>
-torch::Tensor gemv(torch::Tensor w, torch::Tensor x) {
-  TORCH_CHECK(w.dtype() == torch::kBFloat16 && x.dtype() == torch::kBFloat16 && w.is_contiguous());
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(K % 32 == 0 && x.numel() == K);
-  auto y = torch::empty({N}, w.options());
-  auto W = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  auto X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  auto Y = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* row = W + r * K;
-      __m512 acc[U];
-      for (int i = 0; i < U; ++i) acc[i] = _mm512_setzero_ps();
-      int64_t k = 0;
-      for (; k + 32 * U <= K; k += 32 * U)
-        for (int i = 0; i < U; ++i)
-          acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(row + k + 32 * i),
-                                    (__m512bh)_mm512_loadu_si512(X + k + 32 * i));
-      for (; k < K; k += 32)
-        acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(row + k),
-                                  (__m512bh)_mm512_loadu_si512(X + k));
-      for (int i = 1; i < U; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
-      Y[r] = at::BFloat16(_mm512_reduce_add_ps(acc[0]));
-    }
-  });
-  return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("one_acc", &gemv<1>);
-  m.def("two_acc", &gemv<2>);
-}
-"""
-
 
 def fail(msg: str) -> None:
     print(f"gemv_probe: {msg}", file=sys.stderr)
@@ -85,15 +44,10 @@ def fail(msg: str) -> None:
 
 
 def build():
-    if "avx512_bf16" not in cpu_flags():
-        fail("this CPU has no AVX512-BF16 (or this is not Linux); expected a CPU whose flags list avx512_bf16")
     try:
-        from torch.utils.cpp_extension import load_inline
-        return load_inline("expertcache_gemv_probe", cpp_sources=KERNEL,
-                           extra_cflags=["-O3", "-mavx512f", "-mavx512bf16", "-fopenmp"])
-    except (RuntimeError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        fail(f"could not build the kernel ({first}); expected a C++ compiler and ninja (pip install ninja)")
+        return load_native()
+    except ExpertCacheError as e:
+        fail(str(e))
 
 
 def engine_mv(w, x):
@@ -115,8 +69,8 @@ def main(argv=None) -> int:
         w.copy_(torch.randn(count, n, k) * 0.02)
         sets.append((w, torch.randn(k).to(torch.bfloat16)))
     nbytes = sum(w.numel() * 2 for w, _ in sets)
-    paths = {"torch.mv": engine_mv, "bf16-dot, 1 acc": mod.one_acc, "bf16-dot, 2 acc": mod.two_acc}
-    diff = max((mod.two_acc(w[0], x).float() - engine_mv(w[0], x).float()).abs().max().item() /
+    paths = {"torch.mv": engine_mv, f"native ({mod.isa})": mod.gemv}
+    diff = max((mod.gemv(w[0], x).float() - engine_mv(w[0], x).float()).abs().max().item() /
                engine_mv(w[0], x).float().abs().max().item() for w, x in sets)
     rates: dict[str, list[float]] = {p: [] for p in paths}
     for fn in paths.values():  # warm-up: thread pool, page tables
@@ -132,11 +86,11 @@ def main(argv=None) -> int:
     base = statistics.median(rates["torch.mv"])
     print(f"{nbytes / 2**20:.0f} MiB of bf16 weights per round on huge-page memory; threads {args.threads}; "
           f"{args.rounds} rounds alternating\n")
-    print(f"{'path':18}{'median GB/s':>12}{'min':>8}{'max':>8}{'vs torch.mv':>13}")
-    print("-" * 59)
+    print(f"{'path':22}{'median GB/s':>12}{'min':>8}{'max':>8}{'vs torch.mv':>13}")
+    print("-" * 63)
     for name, r in rates.items():
         med = statistics.median(r)
-        print(f"{name:18}{med:12.1f}{min(r):8.1f}{max(r):8.1f}{med / base:12.2f}x")
+        print(f"{name:22}{med:12.1f}{min(r):8.1f}{max(r):8.1f}{med / base:12.2f}x")
     print(f"\nlargest difference from torch.mv, relative to the output's largest value: {diff:.1e}")
     print(json.dumps({"threads": args.threads, "rounds": args.rounds, "mib": round(nbytes / 2**20),
                       "median_gb_s": {p: round(statistics.median(r), 1) for p, r in rates.items()},

@@ -16,6 +16,7 @@ import torch
 
 from .config import CacheConfig, ModelConfig, parse_dtype
 from .errors import ExpertCacheError
+from .kernels import select as select_kernels
 from .models.base import MoEModel
 from .models.layers import KVCache
 from .sampling import Sampler, SamplingParams
@@ -238,8 +239,10 @@ def default_model_path() -> Path:
 
 def load(path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
          dtype: str | torch.dtype | None = None, cache: CacheConfig | None = None,
-         ctx_size: int | None = None, threads: int | None = None) -> Model:
-    """Load a Hugging Face MoE checkpoint directory (the bundled model when `path` is None)."""
+         ctx_size: int | None = None, threads: int | None = None, kernels: str = "torch") -> Model:
+    """Load a Hugging Face MoE checkpoint directory (the bundled model when `path` is None).
+
+    `kernels="native"` runs one-row bf16 products through the native kernels (see `kernels`)."""
     from .checkpoint.loader import ExpertSource, load_dense, open_checkpoint
     from .tiers import build_experts
 
@@ -251,6 +254,7 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     device = torch.device(device)
     cfg, arch, ckpt, layout = open_checkpoint(path)
     compute_dtype = parse_dtype(dtype) or cfg.dtype
+    native = select_kernels(kernels, device, compute_dtype)  # before the weights: a bad choice costs nothing
     if ctx_size is not None and ctx_size < 1:
         raise ExpertCacheError(f"ctx-size {ctx_size} must be at least 1")
     tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
@@ -258,4 +262,5 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     source = ExpertSource(ckpt, cfg, layout)
     experts = build_experts(source, cache or CacheConfig(mode="resident"), device, compute_dtype)
     net = MoEModel(cfg, arch, embed, norm, lm_head, layers, experts, device, compute_dtype)
+    net.native = native
     return Model(path, cfg, net, tokenizer, ctx_size or cfg.max_position, experts)

@@ -29,12 +29,13 @@ import torch
 from tqdm import tqdm
 
 from ..errors import ExpertCacheError
+from ..kernels import KERNELS
 from ..memory import host_zeros
 
 PREFILLS = (256, 512, 2048)
 # Profiler names of the matrix products (and fused attention) a step runs.
 MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv_",
-              "aten::_scaled_dot_product_flash_attention_for_cpu")
+              "aten::_scaled_dot_product_flash_attention_for_cpu", "native::gemv", "native::experts")
 
 
 def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
@@ -137,6 +138,21 @@ def _prefill(model, prompt: list[int], ubatch: int) -> dict:
     return {"tokens": len(prompt), "tok_s": len(prompt) / wall, "seconds": wall}
 
 
+class _Profiled:
+    """The native kernels with each call named in the profiler, so that they count as products."""
+
+    def __init__(self, native):
+        self.native = native
+
+    def gemv(self, w, x):
+        with torch.profiler.record_function("native::gemv"):
+            return self.native.gemv(w, x)
+
+    def experts(self, x, gate_ups, downs):
+        with torch.profiler.record_function("native::experts"):
+            return self.native.experts(x, gate_ups, downs)
+
+
 def overhead_profile(model, prompt: list[int], n: int = 16) -> dict:
     """Decode step time outside the matrix products, and the cache's bookkeeping per MoE op."""
     from torch.profiler import ProfilerActivity, profile
@@ -155,6 +171,9 @@ def overhead_profile(model, prompt: list[int], n: int = 16) -> dict:
         return out
 
     residency.plan = timed_plan
+    native = model.net.native
+    if native is not None:
+        model.net.native = _Profiled(native)
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t = time.perf_counter()
@@ -163,6 +182,7 @@ def overhead_profile(model, prompt: list[int], n: int = 16) -> dict:
             wall = time.perf_counter() - t
     finally:
         del residency.plan
+        model.net.native = native
     mm = sum(e.self_cpu_time_total for e in prof.key_averages()
              if e.key in MATRIX_OPS) / 1e6
     step = wall / n
@@ -263,7 +283,7 @@ def run(args) -> dict:
     bar = tqdm(configs, desc="bench speed", unit="config", file=sys.stderr)
     for mode, frac in bar:
         model = expertcache.load(args.model, dtype=args.dtype, cache=CacheConfig(mode=mode, fraction=frac, store="ram"),
-                                 ctx_size=max(args.prefill) + args.decode + 72)
+                                 ctx_size=max(args.prefill) + args.decode + 72, kernels=args.kernels)
         if "matmul_rate" not in machine:
             machine["matmul_rate"] = measure_matmul_rate(model.cfg.hidden_size, model.cfg.moe_intermediate_size,
                                                          model.net.dtype)
@@ -291,6 +311,7 @@ def run(args) -> dict:
             gc.collect()
         results.append(row)
     out = {"bench": "speed", "model": str(args.model), "threads": args.threads, "pairs": args.pairs,
+           "kernels": args.kernels,
            "machine": machine, "results": results}
     if args.vs_llamacpp:
         out["llamacpp"] = side_by_side(resident, args.vs_llamacpp, args.threads, prompt, args.decode, args.prefill,
@@ -315,7 +336,7 @@ def bound_pairs(resident, model, prompt: list[int], n: int, copy_bw: float, pair
 def table(out: dict) -> str:
     m = out["machine"]
     lines = [f"machine: read {m['read_bw'] / 1e9:.1f} GB/s, copy {m['copy_bw'] / 1e9:.1f} GB/s, "
-             f"matmul {m['matmul_rate'] / 1e9:.0f} GFLOP/s; threads {out['threads']}", ""]
+             f"matmul {m['matmul_rate'] / 1e9:.0f} GFLOP/s; threads {out['threads']}; kernels {out['kernels']}", ""]
     head = (f"{'mode':<9}{'cap':>5} {'decode t/s':>10} {'ms/tok':>7} {'route':>6} {'attn':>6} {'exprt':>6} "
             f"{'copy':>6} {'rest':>6} {'read GB/s':>9} {'of peak':>7} {'vs bound':>8}")
     lines += [head, "-" * len(head)]
@@ -384,6 +405,8 @@ def add_parser(suites) -> None:
     p.add_argument("--fractions", type=_fractions, default=[0.25, 0.5, 0.75])
     p.add_argument("--ubatch", type=positive_int, default=512)
     p.add_argument("--dtype")
+    p.add_argument("--kernels", choices=KERNELS, default="torch",
+                   help="one-row bf16 products: torch's or the native ones (see `expertcache run --help`)")
     p.add_argument("--vs-llamacpp", metavar="FILE.gguf", help="also run llama.cpp on these weights (llama-cpp-python)")
     p.add_argument("--pairs", type=positive_int, default=3,
                    help="how many times each mode's decode bound, and llama.cpp, is timed back to back with "

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..config import CACHE_MODES, STORES, CacheConfig
 from ..errors import ExpertCacheError
+from ..kernels import KERNELS
 from ..tiers.policy import DEFAULT_POLICY, POLICIES
 
 
@@ -42,6 +43,9 @@ def add_model_flags(p: argparse.ArgumentParser, ctx: bool = True) -> None:
     if ctx:
         p.add_argument("-c", "--ctx-size", type=positive_int, help="context size (default: the model's)")
     p.add_argument("--ubatch", type=positive_int, default=512, help="prefill micro-batch size (default: 512)")
+    p.add_argument("--kernels", choices=KERNELS, default="torch",
+                   help="one-row bf16 products on the CPU: torch's, or native ones compiled on first use "
+                        "(faster decode; needs g++ and ninja; results differ from torch's in the last bits)")
 
 
 def add_cache_flags(p: argparse.ArgumentParser) -> None:
@@ -71,7 +75,8 @@ def load_model(args):
     from ..engine import load
 
     return load(args.model, device=args.device, dtype=args.dtype, cache=cache_config(args),
-                ctx_size=getattr(args, "ctx_size", None), threads=args.threads)
+                ctx_size=getattr(args, "ctx_size", None), threads=args.threads,
+                kernels=args.kernels)
 
 
 def peak_rss_bytes() -> int:

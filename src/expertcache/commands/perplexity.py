@@ -88,7 +88,7 @@ def _load(args, cache):
     from ..engine import load
 
     return load(args.model, device=args.device, dtype=args.dtype, cache=cache, ctx_size=args.ctx_size,
-                threads=args.threads)
+                threads=args.threads, kernels=args.kernels)
 
 
 def _tokenize(model, text: str, args) -> tuple[list[int], int | None]:

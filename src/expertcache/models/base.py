@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..config import ModelConfig
 from ..telemetry import StepTimer
 from .layers import (
@@ -91,13 +92,23 @@ class MoEModel:
         self.routing_override: Callable[[int, Routing], Routing] | None = None
         # Set by benchmarks to split a step's time into parts; None costs nothing.
         self.timer: StepTimer | None = None
+        # The native decode kernels (`kernels.select`), or None for torch's.
+        self.native = None
 
     def new_kv(self, max_len: int) -> KVCache:
         return KVCache(self.cfg, max_len, self.device, self.dtype)
 
-    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, kv: KVCache, all_logits: bool = True) -> torch.Tensor:
         """Run tokens [T] after what `kv` holds; return logits [T, V] (or [1, V] for the last)."""
+        # This model's kernels are the active ones for the call, whatever another model uses.
+        was, kernels.active = kernels.active, self.native
+        try:
+            return self._forward(tokens, kv, all_logits)
+        finally:
+            kernels.active = was
+
+    @torch.inference_mode()
+    def _forward(self, tokens: torch.Tensor, kv: KVCache, all_logits: bool) -> torch.Tensor:
         cfg = self.cfg
         lap = self.timer.lap if self.timer is not None else _no_lap
         if self.timer is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..config import ModelConfig
 
 _REDUCED = (torch.bfloat16, torch.float16)
@@ -23,9 +24,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     One row in bf16/fp16 on a CPU (every decode step) is a matrix-vector product, which is
     memory-bound: oneDNN's matmul reads the weights at well under half the machine's bandwidth
     there, while the plain BLAS path streams them at nearly full speed. The path depends only on
-    the row count, never on cache state, so results stay identical across cache modes.
+    the row count, never on cache state, so results stay identical across cache modes. With
+    `--kernels native` the one-row bf16 product goes to the native kernel instead (`kernels`).
     """
     if x.shape[0] == 1 and x.dtype in _REDUCED and x.device.type == "cpu":
+        native = kernels.active
+        if native is not None and x.dtype == w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous():
+            y = native.gemv(w, x[0].contiguous())    # [N]
+            return (y if b is None else y + b)[None]  # [1, N]
         # torch.backends.mkldnn.flags() does the same but costs ~10 us and warns on every call.
         was = torch._C._get_mkldnn_enabled()
         torch._C._set_mkldnn_enabled(False)

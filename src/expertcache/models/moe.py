@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from .. import kernels
 from .layers import linear, swiglu
 
 # One expert as the layer sees it: its id, gate/up rows [2I, D] and down [D, I].
@@ -84,7 +85,15 @@ def _moe_one_token(x: torch.Tensor, routing: Routing, provider: ExpertProvider, 
     """The decode step: one token, so no grouping of rows; the same fixed-order combine."""
     ranked = routing.ids[0].tolist()                               # expert ids in router-rank order
     ys: dict[int, torch.Tensor] = {}
+    native = kernels.active
     for wave in provider.fetch(layer, sorted(ranked)):
+        if native is not None and x.dtype == torch.bfloat16 and all(
+                kernels.fits(g) and kernels.fits(d) for _, g, d in wave):
+            # The whole wave in one call; each expert's row is what it would be alone.
+            yw = native.experts(x[0].contiguous(), [g for _, g, _ in wave], [d for _, _, d in wave])  # [n, D]
+            for j, (e, _, _) in enumerate(wave):
+                ys[e] = yw[j: j + 1]
+            continue
         for e, gate_up, down in wave:
             ys[e] = swiglu(x, gate_up, down)                       # [1, D]
     out = torch.cat([ys[e] for e in ranked])                       # [A, D] in rank order

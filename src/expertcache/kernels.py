@@ -1,0 +1,99 @@
+"""Which kernels run the decode step's one-row products: torch's own (the default) or the small
+native ones in `native/decode.cpp` (`--kernels native`).
+
+torch's one-row bf16 product widens every weight to fp32 before its multiply-add and streams the
+weights at about half the rate this kind of CPU can read them (`tools/gemv_probe.py`). The native
+kernels multiply bf16 pairs directly where the CPU has AVX512-BF16, and run a whole wave of a
+decode step's experts in one call instead of five torch ops per expert. They are opt-in because:
+
+- they are compiled on first use (about a minute; then cached by torch under
+  ~/.cache/torch_extensions), which needs a C++ compiler, the Python headers and ninja;
+- their sums are taken in a different order than torch's, so bf16 results differ from the
+  default kernels in the last bits. Within one kernel choice results are still identical
+  across cache modes, sizes, policies and thread counts: each output element is one row's dot
+  product, summed by one thread in a fixed order.
+
+Only one-row bf16 products on the CPU take the native path; prefill and other dtypes use torch.
+The choice belongs to a model: `MoEModel.forward` makes its kernels the active ones for the
+duration of a call (`active`), which is what `layers.linear` and the MoE block consult.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from .errors import ExpertCacheError
+
+KERNELS = ("torch", "native")
+SOURCE = Path(__file__).parent / "native" / "decode.cpp"
+
+# The native module while a forward that uses it runs; None means torch's kernels.
+active: ModuleType | None = None
+
+_loaded: ModuleType | None = None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def load_native() -> ModuleType:
+    """Build (first use) or load the native kernels; one line of error if that cannot be done."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    from torch.utils import cpp_extension
+
+    # -fopenmp: at::parallel_for is inline and splits work across threads only when compiled
+    # with OpenMP. -march=native compiles for this CPU, so the build is named after the CPU's features: a
+    # cache directory shared with another machine never hands it a build for a different CPU.
+    tag = hashlib.sha1(_cpu_flags().encode()).hexdigest()[:10]
+    name = f"expertcache_decode_{tag}"
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        raise ExpertCacheError("--kernels native: ninja was not found; expected it on PATH "
+                               "(pip install ninja, or pip install 'expertcache[native]')") from None
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    if not any(build_dir.glob("*.so")):
+        print("expertcache: building the native decode kernels (first use only, about a minute)",
+              file=sys.stderr, flush=True)
+    try:
+        _loaded = cpp_extension.load(name, sources=[str(SOURCE)],
+                                     extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
+    except (RuntimeError, OSError, ImportError) as e:
+        text = str(e).strip()
+        first = text.splitlines()[0] if text else type(e).__name__
+        raise ExpertCacheError(f"--kernels native: the kernels could not be built ({first}); expected "
+                               "a C++ compiler (g++) and the Python headers") from None
+    return _loaded
+
+
+def select(kernels: str, device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The native module for `kernels="native"`, None for torch's; checks that the choice applies."""
+    if kernels not in KERNELS:
+        raise ExpertCacheError(f"kernels {kernels!r} is not one of {', '.join(KERNELS)}")
+    if kernels == "torch":
+        return None
+    if device.type != "cpu":
+        raise ExpertCacheError(f"--kernels native runs on the CPU; got device {device}, expected cpu")
+    if dtype != torch.bfloat16:
+        raise ExpertCacheError(f"--kernels native computes in bfloat16; got dtype {str(dtype).removeprefix('torch.')}, "
+                               "expected bfloat16 (--dtype bfloat16)")
+    return load_native()
+
+
+def fits(t: torch.Tensor) -> bool:
+    """Whether a weight matrix can go to the native kernels as it is."""
+    return t.dtype == torch.bfloat16 and t.dim() == 2 and t.is_contiguous() and t.device.type == "cpu"

@@ -1,0 +1,150 @@
+// The decode step's one-row bf16 products, for `--kernels native` (see expertcache/kernels.py).
+//
+// torch's one-row bf16 kernel widens every weight to fp32 before its multiply-add and reads the
+// weights at about half of what this CPU can stream. On a CPU with AVX512-BF16 a single
+// instruction (vdpbf16ps) multiplies 32 bf16 pairs and adds them into 16 fp32 sums, as
+// llama.cpp's bf16 path does; elsewhere a portable loop widens to fp32 in 16 independent lanes,
+// which the compiler vectorises without reassociating anything.
+//
+// Every output element is one row's dot product, summed by one thread in a fixed order over K.
+// So a result depends only on the row and the input, never on how rows are split across
+// threads or how many experts a call holds: outputs stay identical across cache modes.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+inline float widen(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// sum_k row[k] * x[k], accumulated in fp32.
+inline float dot(const uint16_t* row, const uint16_t* x, int64_t K) {
+#if defined(__AVX512BF16__)
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(row + k), (__m512bh)_mm512_loadu_si512(x + k));
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(row + k + 32),
+                          (__m512bh)_mm512_loadu_si512(x + k + 32));
+  }
+  for (; k < K; k += 32) {
+    const int64_t left = K - k;
+    const __mmask32 m = left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m, row + k),
+                          (__m512bh)_mm512_maskz_loadu_epi16(m, x + k));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#else
+  float lane[16] = {0};
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16)
+    for (int i = 0; i < 16; ++i) lane[i] += widen(row[k + i]) * widen(x[k + i]);
+  for (int i = 0; k + i < K; ++i) lane[i] += widen(row[k + i]) * widen(x[k + i]);
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += lane[i];
+  return s;
+#endif
+}
+
+const uint16_t* bits(const torch::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<bf16>());
+}
+
+void check_matrix(const torch::Tensor& w, int64_t K, const char* what) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
+              what, ": expected a contiguous 2-D bf16 CPU tensor");
+  TORCH_CHECK(w.size(1) == K, what, ": expected ", K, " columns, got ", w.size(1));
+}
+
+// y [N] = w [N, K] x [K], rounded to bf16 once per element.
+torch::Tensor gemv(const torch::Tensor& w, const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 1 && x.is_contiguous(),
+              "x: expected a contiguous 1-D bf16 CPU tensor");
+  const int64_t K = x.size(0);
+  check_matrix(w, K, "w");
+  const int64_t N = w.size(0);
+  auto y = torch::empty({N}, x.options());
+  const uint16_t* W = bits(w);
+  const uint16_t* X = bits(x);
+  bf16* Y = y.data_ptr<bf16>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) Y[r] = bf16(dot(W + r * K, X, K));
+  });
+  return y;
+}
+
+// The SwiGLU experts of one decode step, n at a time: for each expert e,
+//   gu = gate_up[e] x (rounded to bf16), h = silu(gu[:I]) * gu[I:] (each op rounded to bf16,
+//   as torch does it on bf16 tensors), y[e] = down[e] h (rounded to bf16).
+// Returns [n, D]. Three parallel passes for the whole wave instead of five ops per expert.
+torch::Tensor experts(const torch::Tensor& x, const std::vector<torch::Tensor>& gate_ups,
+                      const std::vector<torch::Tensor>& downs) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 1 && x.is_contiguous(),
+              "x: expected a contiguous 1-D bf16 CPU tensor");
+  TORCH_CHECK(gate_ups.size() == downs.size(), "expected as many down matrices as gate/up ones");
+  const int64_t n = static_cast<int64_t>(gate_ups.size()), D = x.size(0);
+  auto y = torch::empty({n, D}, x.options());
+  if (n == 0) return y;
+  const int64_t I = downs[0].size(1);
+  std::vector<const uint16_t*> gu_w(n), dn_w(n);
+  for (int64_t e = 0; e < n; ++e) {
+    check_matrix(gate_ups[e], D, "gate_up");
+    check_matrix(downs[e], I, "down");
+    TORCH_CHECK(gate_ups[e].size(0) == 2 * I && downs[e].size(0) == D,
+                "expected gate_up [2I, D] and down [D, I] with I = ", I);
+    gu_w[e] = bits(gate_ups[e]);
+    dn_w[e] = bits(downs[e]);
+  }
+  const uint16_t* X = bits(x);
+  std::vector<uint16_t> gu(n * 2 * I), h(n * I);
+  at::parallel_for(0, n * 2 * I, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t e = r / (2 * I), i = r % (2 * I);
+      gu[r] = bf16(dot(gu_w[e] + i * D, X, D)).x;
+    }
+  });
+  at::parallel_for(0, n * I, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t e = r / I, i = r % I;
+      const float g = widen(gu[e * 2 * I + i]), u = widen(gu[e * 2 * I + I + i]);
+      const float act = widen(bf16(g / (1.f + std::exp(-g))).x);
+      h[r] = bf16(act * u).x;
+    }
+  });
+  bf16* Y = y.data_ptr<bf16>();
+  at::parallel_for(0, n * D, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t e = r / D, i = r % D;
+      Y[r] = bf16(dot(dn_w[e] + i * I, h.data() + e * I, I));
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#if defined(__AVX512BF16__)
+  m.attr("isa") = "avx512-bf16";
+#else
+  m.attr("isa") = "portable";
+#endif
+  m.def("gemv", &gemv, "y [N] = w [N, K] x [K], bf16, one-row decode product");
+  m.def("experts", &experts, "a wave of SwiGLU experts on one token: [n, D]");
+}

@@ -1,0 +1,184 @@
+"""The native decode kernels (`--kernels native`): products against a float64 reference, results
+that depend neither on thread count nor on how many experts a call holds, decode steps identical
+across cache modes, close to torch's kernels, and clear errors where they cannot be used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import expertcache
+from expertcache import CacheConfig, ExpertCacheError, kernels
+from conftest import VOCAB, assert_one_line_error, run_cli
+
+PROMPT = torch.randint(4, VOCAB, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def native():
+    return kernels.load_native()
+
+
+def bf16(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
+
+
+def assert_close_to_exact(y: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> None:
+    """y is w x, summed in fp32 and rounded to bf16 once: within half a bf16 step of the exact
+    value, plus the fp32 sum's own error."""
+    exact = w.double() @ x.double()
+    slack = 2.0 ** -8 * exact.abs() + 1e-5 * (w.double().abs() @ x.double().abs())
+    assert ((y.double() - exact).abs() <= slack).all(), (y.double() - exact).abs().max()
+
+
+@pytest.mark.parametrize("n,k", [(1536, 2048), (64, 32), (37, 100), (5, 33), (1, 7), (130, 64)])
+def test_gemv_matches_exact_products(native, n, k):
+    w, x = bf16(n, k, seed=n, scale=0.1), bf16(k, seed=k)
+    y = native.gemv(w, x)
+    assert y.dtype == torch.bfloat16 and y.shape == (n,)
+    assert_close_to_exact(y, w, x)
+
+
+def test_gemv_does_not_depend_on_thread_count(native):
+    w, x = bf16(3000, 768, seed=1, scale=0.1), bf16(768, seed=2)
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.gemv(w, x)
+        torch.set_num_threads(max(2, was))
+        many = native.gemv(w, x)
+    finally:
+        torch.set_num_threads(was)
+    assert torch.equal(one, many)
+
+
+def test_experts_match_exact_swiglu_and_do_not_depend_on_the_wave(native):
+    D, I, n = 96, 48, 5
+    x = bf16(D, seed=0)
+    gate_ups = [bf16(2 * I, D, seed=10 + e, scale=0.1) for e in range(n)]
+    downs = [bf16(D, I, seed=20 + e, scale=0.1) for e in range(n)]
+    wave = native.experts(x, gate_ups, downs)
+    assert wave.shape == (n, D) and wave.dtype == torch.bfloat16
+    for e in range(n):
+        # Alone, or in another company, an expert's output is the same to the bit.
+        assert torch.equal(native.experts(x, gate_ups[e:e + 1], downs[e:e + 1])[0], wave[e])
+        # Each step rounded to bf16 as torch rounds it: products, the activation, the gating product.
+        gu = native.gemv(gate_ups[e], x)
+        h = (F.silu(gu[:I].double()).to(torch.bfloat16).double() * gu[I:].double()).to(torch.bfloat16)
+        assert_close_to_exact(wave[e], downs[e], h)
+    assert torch.equal(native.experts(x, gate_ups[3:], downs[3:]), wave[3:])
+    assert native.experts(x, [], []).shape == (0, D)
+
+
+def test_bad_arguments_are_errors_not_crashes(native):
+    with pytest.raises(RuntimeError, match="expected 8 columns"):
+        native.gemv(bf16(4, 9, seed=0), bf16(8, seed=1))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        native.gemv(bf16(8, 4, seed=0).t(), bf16(8, seed=1))
+    with pytest.raises(RuntimeError, match="bf16"):
+        native.gemv(torch.ones(4, 8), torch.ones(8))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from conftest import build_reference, save_checkpoint, tiny_config
+
+    ref = build_reference(tiny_config("qwen3_moe", experts=16, top_k=4, layers=3))
+    return save_checkpoint(ref, tmp_path_factory.mktemp("kernels") / "ckpt", dtype=torch.bfloat16)
+
+
+def decode_logits(model) -> torch.Tensor:
+    """Logits of STEPS greedy decode steps after PROMPT, one token at a time: [STEPS, V]."""
+    s = model.new_session()
+    logits = model.prefill(s, PROMPT)
+    rows = []
+    for _ in range(STEPS):
+        logits = model.prefill(s, [int(logits.argmax())])
+        rows.append(logits.reshape(-1))
+    return torch.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def native_reference(checkpoint, native):
+    return decode_logits(expertcache.load(checkpoint, cache=CacheConfig(mode="resident"), kernels="native"))
+
+
+@pytest.mark.parametrize("cache", [CacheConfig(mode="cache", experts=1), CacheConfig(mode="cache", experts=7),
+                                   CacheConfig(mode="cache", fraction=0.5, policy="lfu", store="mmap"),
+                                   CacheConfig(mode="staging", store="disk"), CacheConfig(mode="staging", experts=3)],
+                         ids=["1-slot", "7-slots", "half-lfu-mmap", "staging-disk", "staging-3"])
+def test_decode_bitwise_identical_across_cache_modes(checkpoint, native_reference, cache):
+    model = expertcache.load(checkpoint, cache=cache, kernels="native")
+    assert torch.equal(decode_logits(model), native_reference)
+
+
+def test_native_decode_is_close_to_torch_and_takes_the_native_path(checkpoint, native_reference, monkeypatch):
+    model = expertcache.load(checkpoint, kernels="native")
+    calls = {"gemv": 0, "experts": 0}
+
+    class Counting:
+        def gemv(self, w, x):
+            calls["gemv"] += 1
+            return kernels.load_native().gemv(w, x)
+
+        def experts(self, x, g, d):
+            calls["experts"] += 1
+            return kernels.load_native().experts(x, g, d)
+
+    monkeypatch.setattr(model.net, "native", Counting())
+    assert torch.equal(decode_logits(model), native_reference)
+    # Every decode step: q/k/v, o and the router per layer, the experts per layer, the lm head.
+    assert calls["experts"] == 3 * STEPS and calls["gemv"] >= (3 * 3 + 1) * STEPS
+    torch_model = expertcache.load(checkpoint)
+    assert torch_model.net.native is None
+    torch_logits = decode_logits(torch_model)
+    scale = torch_logits.float().abs().max()
+    assert (torch_logits.float() - native_reference.float()).abs().max() <= 0.05 * scale
+
+
+def test_another_models_kernels_do_not_leak(checkpoint, native_reference):
+    torch_model = expertcache.load(checkpoint)
+    expected = decode_logits(torch_model)
+    native_model = expertcache.load(checkpoint, kernels="native")
+    assert torch.equal(decode_logits(native_model), native_reference)
+    assert torch.equal(decode_logits(torch_model), expected)
+    assert kernels.active is None
+
+
+def test_cli_runs_with_native_kernels(capsys):
+    code, err = run_cli(capsys, "run", "--kernels", "native", "-p", "Hello", "-n", "4", "--temp", "0")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--kernels", "native", "--dtype", "float32"], ["--kernels native", "float32", "bfloat16"]),
+    (["--kernels", "native", "--device", "meta"], ["--kernels native", "meta", "cpu"]),
+    (["--kernels", "fast"], ["--kernels", "fast"]),
+])
+def test_bad_kernel_choices(capsys, argv, needles):
+    code, err = run_cli(capsys, "run", "-p", "Hi", "-n", "1", *argv)
+    assert_one_line_error(code, err, *needles)
+
+
+def test_missing_build_tools_are_one_line_errors(monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(kernels, "_loaded", None)
+
+    def no_ninja():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", no_ninja)
+    with pytest.raises(ExpertCacheError, match="ninja was not found"):
+        kernels.load_native()
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: None)
+
+    def no_compiler(*a, **k):
+        raise RuntimeError("Error building extension 'expertcache_decode': c++: not found\nmore")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    with pytest.raises(ExpertCacheError, match=r"could not be built \(Error building extension") as e:
+        kernels.load_native()
+    assert "\n" not in str(e.value)
