@@ -72,6 +72,45 @@ def test_experts_match_exact_swiglu_and_do_not_depend_on_the_wave(native):
     assert native.experts(x, [], []).shape == (0, D)
 
 
+@pytest.mark.parametrize("rows,cols,per_row", [(1, 64, False), (1, 100, False), (6, 16, True)])
+def test_rms_norm_matches_torch(native, rows, cols, per_row):
+    from expertcache.models.layers import rms_norm
+
+    x = bf16(rows, cols, seed=rows + cols)
+    w = bf16(*((rows, cols) if per_row else (cols,)), seed=7, scale=0.5)
+    # torch's path (no native kernels active): fp32 normalisation, rounded, then times the weight
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), rtol=2 ** -7, atol=1e-3)
+
+
+def test_attend_matches_reference_attention(native):
+    H, G, Dh, cap, pos, eps = 4, 2, 16, 10, 6, 1e-6
+    qkv, norm = bf16((H + 2 * G) * Dh, seed=1), bf16(H + G, Dh, seed=2, scale=0.5)
+    angle = torch.rand(Dh // 2, generator=torch.Generator().manual_seed(3)) * 6
+    cos = torch.cat((angle.cos(), angle.cos())).to(torch.bfloat16)
+    sin = torch.cat((-angle.sin(), angle.sin())).to(torch.bfloat16)  # rotate-half's sign folded in
+    kc, vc = bf16(G, cap, Dh, seed=4), bf16(G, cap, Dh, seed=5)
+    before_k, before_v = kc.clone(), vc.clone()
+    out = native.attend(qkv, norm, eps, cos, sin, kc, vc, pos, Dh ** -0.5, H, G)
+    # Only this position's keys and values are written; v as it came, k normalised and rotated.
+    untouched = torch.ones(cap, dtype=torch.bool)
+    untouched[pos] = False
+    assert torch.equal(kc[:, untouched], before_k[:, untouched]) and torch.equal(vc[:, untouched], before_v[:, untouched])
+    assert torch.equal(vc[:, pos], qkv[(H + G) * Dh:].view(G, Dh))
+    qk = native.rms_norm(qkv[:(H + G) * Dh].view(H + G, Dh).contiguous(), norm, eps).double()
+    rotated = qk * cos.double() + torch.cat((qk[:, Dh // 2:], qk[:, :Dh // 2]), dim=1) * sin.double()
+    torch.testing.assert_close(kc[:, pos].double(), rotated[H:], rtol=2 ** -7, atol=1e-3)
+    q = rotated[:H].view(G, H // G, Dh)                                     # heads grouped by kv head
+    scores = torch.einsum("grd,gtd->grt", q, kc[:, :pos + 1].double()) * Dh ** -0.5
+    expected = torch.einsum("grt,gtd->grd", scores.softmax(-1), vc[:, :pos + 1].double()).reshape(H * Dh)
+    torch.testing.assert_close(out.double(), expected, rtol=2 ** -6, atol=2e-2)
+    # Without a q/k norm the projections are rotated as they came.
+    kc2, vc2 = before_k.clone(), before_v.clone()
+    native.attend(qkv, torch.empty(0, dtype=torch.bfloat16), eps, cos, sin, kc2, vc2, pos, Dh ** -0.5, H, G)
+    raw = qkv[H * Dh:(H + G) * Dh].view(G, Dh).double()
+    raw_rot = raw * cos.double() + torch.cat((raw[:, Dh // 2:], raw[:, :Dh // 2]), dim=1) * sin.double()
+    torch.testing.assert_close(kc2[:, pos].double(), raw_rot, rtol=2 ** -7, atol=1e-3)
+
+
 def test_bad_arguments_are_errors_not_crashes(native):
     with pytest.raises(RuntimeError, match="expected 8 columns"):
         native.gemv(bf16(4, 9, seed=0), bf16(8, seed=1))
@@ -79,6 +118,10 @@ def test_bad_arguments_are_errors_not_crashes(native):
         native.gemv(bf16(8, 4, seed=0).t(), bf16(8, seed=1))
     with pytest.raises(RuntimeError, match="bf16"):
         native.gemv(torch.ones(4, 8), torch.ones(8))
+    kc = bf16(2, 4, 16, seed=0)
+    with pytest.raises(RuntimeError, match="position 4 is outside the cache of 4"):
+        native.attend(bf16(8 * 16, seed=1), torch.empty(0, dtype=torch.bfloat16), 1e-6, bf16(16, seed=2),
+                      bf16(16, seed=3), kc, kc.clone(), 4, 0.25, 4, 2)
 
 
 @pytest.fixture(scope="module")
@@ -116,21 +159,25 @@ def test_decode_bitwise_identical_across_cache_modes(checkpoint, native_referenc
 
 def test_native_decode_is_close_to_torch_and_takes_the_native_path(checkpoint, native_reference, monkeypatch):
     model = expertcache.load(checkpoint, kernels="native")
-    calls = {"gemv": 0, "experts": 0}
+    calls = {"gemv": 0, "experts": 0, "attend": 0, "rms_norm": 0}
 
     class Counting:
-        def gemv(self, w, x):
-            calls["gemv"] += 1
-            return kernels.load_native().gemv(w, x)
-
-        def experts(self, x, g, d):
-            calls["experts"] += 1
-            return kernels.load_native().experts(x, g, d)
+        def __getattr__(self, name):
+            def call(*args):
+                calls[name] += 1
+                return getattr(kernels.load_native(), name)(*args)
+            return call
 
     monkeypatch.setattr(model.net, "native", Counting())
     assert torch.equal(decode_logits(model), native_reference)
-    # Every decode step: q/k/v, o and the router per layer, the experts per layer, the lm head.
-    assert calls["experts"] == 3 * STEPS and calls["gemv"] >= (3 * 3 + 1) * STEPS
+    session = model.new_session()
+    model.prefill(session, PROMPT)
+    for name in calls:
+        calls[name] = 0
+    model.prefill(session, [5])
+    # One decode step, per layer: the q/k/v, o and router products, attention, the experts and
+    # two norms; then the final norm and the lm head.
+    assert calls == {"gemv": 3 * 3 + 1, "experts": 3, "attend": 3, "rms_norm": 3 * 2 + 1}
     torch_model = expertcache.load(checkpoint)
     assert torch_model.net.native is None
     torch_logits = decode_logits(torch_model)

@@ -35,7 +35,8 @@ from ..memory import host_zeros
 PREFILLS = (256, 512, 2048)
 # Profiler names of the matrix products (and fused attention) a step runs.
 MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv_",
-              "aten::_scaled_dot_product_flash_attention_for_cpu", "native::gemv", "native::experts")
+              "aten::_scaled_dot_product_flash_attention_for_cpu", "native::gemv", "native::experts",
+              "native::attend")
 
 
 def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
@@ -139,18 +140,18 @@ def _prefill(model, prompt: list[int], ubatch: int) -> dict:
 
 
 class _Profiled:
-    """The native kernels with each call named in the profiler, so that they count as products."""
+    """The native kernels with each call named in the profiler (`native::gemv`, ...)."""
 
     def __init__(self, native):
         self.native = native
 
-    def gemv(self, w, x):
-        with torch.profiler.record_function("native::gemv"):
-            return self.native.gemv(w, x)
+    def __getattr__(self, name):
+        fn = getattr(self.native, name)
 
-    def experts(self, x, gate_ups, downs):
-        with torch.profiler.record_function("native::experts"):
-            return self.native.experts(x, gate_ups, downs)
+        def call(*args):
+            with torch.profiler.record_function(f"native::{name}"):
+                return fn(*args)
+        return call
 
 
 def overhead_profile(model, prompt: list[int], n: int = 16) -> dict:

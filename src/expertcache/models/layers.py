@@ -16,6 +16,7 @@ from .. import kernels
 from ..config import ModelConfig
 
 _REDUCED = (torch.bfloat16, torch.float16)
+_NO_NORM = torch.empty(0, dtype=torch.bfloat16)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,6 +46,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 and scale in the compute dtype, as the reference implementations do.
+    native = kernels.active
+    if native is not None and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype == torch.bfloat16:
+        return native.rms_norm(x.contiguous(), weight, eps)  # one call for the eight below
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -97,7 +101,8 @@ class KVCache:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
 
-    def _reserve(self, n: int) -> None:
+    def reserve(self, n: int) -> None:
+        """Room for n tokens in every layer (kept: the first `length`)."""
         if n <= self.capacity:
             return
         cap = min(self.max_len, max(n, 2 * self.capacity, 256))
@@ -113,7 +118,7 @@ class KVCache:
         """Store k, v [G, T, Dh] after the cached tokens; return all keys and values [G, P+T, Dh]."""
         T = k.shape[1]
         end = self.length + T
-        self._reserve(end)
+        self.reserve(end)
         self.k[layer][:, self.length:end].copy_(k)
         self.v[layer][:, self.length:end].copy_(v)
         return self.k[layer][:, :end], self.v[layer][:, :end]
@@ -128,7 +133,7 @@ class KVCache:
     def copy(self) -> KVCache:
         other = KVCache(self.cfg, self.max_len, self.device, self.dtype)
         if self.length:
-            other._reserve(self.length)
+            other.reserve(self.length)
             for src, dst in ((self.k, other.k), (self.v, other.v)):
                 for s, d in zip(src, dst):
                     d[:, : self.length].copy_(s[:, : self.length])
@@ -156,6 +161,17 @@ def attention(cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, layer: int
     T = x.shape[0]
     H, G, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
+    native = kernels.active
+    if (native is not None and T == 1 and x.dtype == torch.bfloat16 and cfg.sliding_window is None
+            and cfg.qk_norm in (None, "head") and cfg.clip_qkv is None):
+        # Everything between the two projections in one call: q/k norm, rotary, the cache append
+        # and attention over the cache (see native/decode.cpp).
+        qkv = linear(x, w.qkv, w.qkv_bias)[0]                                      # [(H+2G)*Dh]
+        kv.reserve(kv.length + 1)
+        norm = w.qk_norm if w.qk_norm is not None else _NO_NORM
+        out = native.attend(qkv, norm, eps, cos[0], sin[0], kv.k[layer], kv.v[layer], kv.length,
+                            Dh ** -0.5, H, G)                                      # [H*Dh]
+        return linear(out[None], w.o, w.o_bias)                                    # [1, D]
     # Queries and keys stay side by side, [T, H+G, Dh], and are normalised and rotated as one
     # tensor: per element the same arithmetic as doing each alone, in half the calls.
     qk, v = linear(x, w.qkv, w.qkv_bias).split([(H + G) * Dh, G * Dh], dim=-1)  # [T, (H+G)*Dh], [T, G*Dh]

@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -137,6 +138,108 @@ torch::Tensor experts(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   return y;
 }
 
+void check_rows(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kBFloat16 && t.is_contiguous(),
+              what, ": expected a contiguous bf16 CPU tensor");
+}
+
+// Row i of x [R, C] scaled to unit root-mean-square, then by w (one row [C], or one per row
+// [R, C]): in fp32, rounded to bf16, times w, rounded again, as torch does it on bf16 tensors.
+void rms_rows(const uint16_t* x, const uint16_t* w, bool per_row, int64_t R, int64_t C, double eps, uint16_t* y) {
+  for (int64_t i = 0; i < R; ++i) {
+    const uint16_t* xi = x + i * C;
+    const uint16_t* wi = per_row ? w + i * C : w;
+    float lane[16] = {0};
+    int64_t k = 0;
+    for (; k + 16 <= C; k += 16)
+      for (int j = 0; j < 16; ++j) lane[j] += widen(xi[k + j]) * widen(xi[k + j]);
+    for (int j = 0; k + j < C; ++j) lane[j] += widen(xi[k + j]) * widen(xi[k + j]);
+    float ss = 0.f;
+    for (int j = 0; j < 16; ++j) ss += lane[j];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + static_cast<float>(eps));
+    for (int64_t c = 0; c < C; ++c)
+      y[i * C + c] = bf16(widen(wi[c]) * widen(bf16(widen(xi[c]) * inv).x)).x;
+  }
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_rows(x, "x");
+  check_rows(w, "weight");
+  TORCH_CHECK(x.dim() == 2, "x: expected [rows, columns]");
+  const int64_t R = x.size(0), C = x.size(1);
+  const bool per_row = w.dim() == 2;
+  TORCH_CHECK(per_row ? (w.size(0) == R && w.size(1) == C) : (w.dim() == 1 && w.size(0) == C),
+              "weight: expected [", C, "] or [", R, ", ", C, "]");
+  auto y = torch::empty_like(x);
+  rms_rows(bits(x), bits(w), per_row, R, C, eps, reinterpret_cast<uint16_t*>(y.data_ptr<bf16>()));
+  return y;
+}
+
+// Decode attention for one token, from the q/k/v projection's output to the heads' outputs:
+//   qkv [(H + 2G) * Dh]: q for H heads, k and v for G key/value heads;
+//   qk_norm [H + G, Dh] (one weight row per head) or empty: RMSNorm of q and k first;
+//   cos, sin [Dh]: this position's rotary tables, the sign of rotate-half folded into sin;
+//   kc, vc [G, capacity, Dh]: the layer's key/value cache; this token's k and v go to `pos`.
+// Scores, softmax and the weighted sum of values run in fp32 per head; returns [H * Dh].
+torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& qk_norm, double eps, const torch::Tensor& cos,
+                     const torch::Tensor& sin, const torch::Tensor& kc, const torch::Tensor& vc, int64_t pos, double scale,
+                     int64_t H, int64_t G) {
+  for (const torch::Tensor* t : {&qkv, &cos, &sin, &kc, &vc}) check_rows(*t, "attention input");
+  TORCH_CHECK(kc.dim() == 3 && vc.sizes() == kc.sizes() && kc.size(0) == G, "kv cache: expected [G, capacity, Dh]");
+  const int64_t Dh = kc.size(2), cap = kc.size(1), half = Dh / 2, R = H / G, P = pos + 1;
+  TORCH_CHECK(H % G == 0 && Dh % 2 == 0 && qkv.numel() == (H + 2 * G) * Dh && cos.numel() == Dh && sin.numel() == Dh,
+              "attention: shapes do not match H=", H, " G=", G, " Dh=", Dh);
+  TORCH_CHECK(pos >= 0 && pos < cap, "attention: position ", pos, " is outside the cache of ", cap);
+  const bool norm = qk_norm.numel() > 0;
+  if (norm) {
+    check_rows(qk_norm, "qk_norm");
+    TORCH_CHECK(qk_norm.numel() == (H + G) * Dh, "qk_norm: expected [", H + G, ", ", Dh, "]");
+  }
+  const uint16_t* in = bits(qkv);
+  std::vector<uint16_t> qk((H + G) * Dh);
+  if (norm) rms_rows(in, bits(qk_norm), true, H + G, Dh, eps, qk.data());
+  else std::memcpy(qk.data(), in, qk.size() * sizeof(uint16_t));
+  // Rotate q and k in fp32, rounded once; k goes straight into the cache, as does v.
+  const uint16_t *C = bits(cos), *S = bits(sin);
+  std::vector<uint16_t> q(H * Dh);
+  uint16_t* K = reinterpret_cast<uint16_t*>(kc.data_ptr<bf16>());
+  uint16_t* V = reinterpret_cast<uint16_t*>(vc.data_ptr<bf16>());
+  for (int64_t r = 0; r < H + G; ++r) {
+    const uint16_t* x = qk.data() + r * Dh;
+    uint16_t* out = r < H ? q.data() + r * Dh : K + ((r - H) * cap + pos) * Dh;
+    for (int64_t d = 0; d < Dh; ++d) {
+      const float rot = widen(x[d < half ? d + half : d - half]);
+      out[d] = bf16(widen(x[d]) * widen(C[d]) + rot * widen(S[d])).x;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    std::memcpy(V + (g * cap + pos) * Dh, in + (H + G + g) * Dh, Dh * sizeof(uint16_t));
+  auto y = torch::empty({H * Dh}, qkv.options());
+  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<bf16>());
+  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(P), acc(Dh);
+    for (int64_t h = begin; h < end; ++h) {
+      const int64_t g = h / R;
+      const uint16_t* qh = q.data() + h * Dh;
+      float top = -INFINITY;
+      for (int64_t t = 0; t < P; ++t) {
+        p[t] = dot(K + (g * cap + t) * Dh, qh, Dh) * static_cast<float>(scale);
+        top = std::max(top, p[t]);
+      }
+      float total = 0.f;
+      for (int64_t t = 0; t < P; ++t) total += (p[t] = std::exp(p[t] - top));
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < P; ++t) {
+        const uint16_t* vt = V + (g * cap + t) * Dh;
+        const float pt = p[t] / total;
+        for (int64_t d = 0; d < Dh; ++d) acc[d] += pt * widen(vt[d]);
+      }
+      for (int64_t d = 0; d < Dh; ++d) Y[h * Dh + d] = bf16(acc[d]).x;
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -147,4 +250,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("gemv", &gemv, "y [N] = w [N, K] x [K], bf16, one-row decode product");
   m.def("experts", &experts, "a wave of SwiGLU experts on one token: [n, D]");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row of x [R, C], weight [C] or [R, C]");
+  m.def("attend", &attend, "decode attention for one token: q/k norm, rotary, kv append, softmax(qk)v");
 }
