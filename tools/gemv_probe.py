@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
-"""Is the decode step's matrix-vector product limited by memory or by torch's kernel?
+"""Is the decode step's matrix-vector product limited by memory or by the kernel?
 
-A decode step is ~41 one-row bf16 products over ~244 MB of weights (`torch.mv`, the BLAS path
-`expertcache` takes for one row). torch's bf16 kernel widens every weight to fp32 before its
-multiply-add; a CPU with AVX512-BF16 can instead multiply bf16 pairs directly (`vdpbf16ps`), as
-llama.cpp's bf16 path does. This builds a small kernel of that kind (one row at a time, one or
-two accumulators, rows split across threads) and times it against `torch.mv` on the decode
-step's shapes, on the same huge-page memory the engine uses, alternating the two for `--rounds`
-rounds and reporting medians. If the kernel streams faster, the product is kernel-bound.
+A decode step is ~41 one-row bf16 products over ~244 MB of weights. torch's bf16 kernel
+(`torch.mv`, the BLAS path `expertcache` takes for one row by default) widens every weight to
+fp32 before its multiply-add; a CPU with AVX512-BF16 can instead multiply bf16 pairs directly
+(`vdpbf16ps`), as llama.cpp's bf16 path does, and so does expertcache's native kernel
+(`--kernels native`, src/expertcache/native/decode.cpp). This times the two on the decode step's
+shapes, on the same huge-page memory the engine uses, alternating them for `--rounds` rounds and
+reporting medians. If the native kernel streams faster, torch's product is kernel-bound.
 
-The kernel is a probe, not part of expertcache: it needs a C++ compiler and ninja
-(`pip install ninja`) and compiles for about a minute on first use. Its results differ from
-`torch.mv` in the last bits (bf16 pairs summed inside the instruction).
+The native kernels are compiled on first use (about a minute), which needs a C++ compiler and
+ninja (`pip install ninja`). Their results differ from `torch.mv` in the last bits (bf16 pairs
+summed inside the instruction).
 
     python tools/gemv_probe.py --threads 2
 

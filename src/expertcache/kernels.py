@@ -1,19 +1,26 @@
-"""Which kernels run the decode step's one-row products: torch's own (the default) or the small
-native ones in `native/decode.cpp` (`--kernels native`).
+"""Which kernels run the decode step: torch's own (the default) or the small native ones in
+`native/decode.cpp` (`--kernels native`).
 
-torch's one-row bf16 product widens every weight to fp32 before its multiply-add and streams the
-weights at about half the rate this kind of CPU can read them (`tools/gemv_probe.py`). The native
-kernels multiply bf16 pairs directly where the CPU has AVX512-BF16, and run a whole wave of a
-decode step's experts in one call instead of five torch ops per expert. They are opt-in because:
+A decode step streams every active weight once through one-row products, and between them runs
+a few hundred small torch ops that each cost a dispatch. torch's one-row bf16 product widens
+every weight to fp32 before its multiply-add and streams the weights well below the rate this
+kind of CPU can read them (`tools/gemv_probe.py`). The native kernels multiply bf16 pairs
+directly where the CPU has AVX512-BF16, run a whole wave of a decode step's experts in one call
+instead of five torch ops per expert, and do an RMSNorm, and all of attention between the two
+projections (q/k norm, rotary, the cache append, softmax over the cache), in one call each.
+They are opt-in because:
 
 - they are compiled on first use (about a minute; then cached by torch under
   ~/.cache/torch_extensions), which needs a C++ compiler, the Python headers and ninja;
-- their sums are taken in a different order than torch's, so bf16 results differ from the
+- their sums are taken in a different order than torch's (and rotary and attention are
+  rounded once, in fp32, where torch rounds each op in bf16), so bf16 results differ from the
   default kernels in the last bits. Within one kernel choice results are still identical
   across cache modes, sizes, policies and thread counts: each output element is one row's dot
   product, summed by one thread in a fixed order.
 
-Only one-row bf16 products on the CPU take the native path; prefill and other dtypes use torch.
+Only one-row bf16 work on the CPU takes the native path (a decode step, the last row of a
+prompt); prefill's many-row products and other dtypes use torch. Attention stays on torch for
+sliding windows, clipped q/k/v and whole-projection q/k norms (OLMoE).
 The choice belongs to a model: `MoEModel.forward` makes its kernels the active ones for the
 duration of a call (`active`), which is what `layers.linear` and the MoE block consult.
 """
