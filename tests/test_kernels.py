@@ -4,6 +4,8 @@ across cache modes, close to torch's kernels, and clear errors where they cannot
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,9 +18,25 @@ PROMPT = torch.randint(4, VOCAB, (12,), generator=torch.Generator().manual_seed(
 STEPS = 12
 
 
+@pytest.fixture(scope="module", params=["isa", "portable"])
+def native(request):
+    """The kernels this CPU gets, and the portable loop other CPUs get (x86 only: it is built by
+    switching AVX512-BF16 off)."""
+    if request.param == "portable" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"the portable build is made by switching off an x86 feature; this is {platform.machine()}")
+    return kernels.load_native(portable=request.param == "portable")
+
+
 @pytest.fixture(scope="module")
-def native():
+def isa():
     return kernels.load_native()
+
+
+def test_each_build_uses_the_instructions_it_was_built_for(native, request):
+    if request.node.callspec.params["native"] == "portable":
+        assert native.isa == "portable"
+    else:
+        assert native.isa == ("avx512-bf16" if "avx512_bf16" in kernels._cpu_flags().split() else "portable")
 
 
 def bf16(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -144,7 +162,7 @@ def decode_logits(model) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def native_reference(checkpoint, native):
+def native_reference(checkpoint, isa):
     return decode_logits(expertcache.load(checkpoint, cache=CacheConfig(mode="resident"), kernels="native"))
 
 
@@ -212,7 +230,7 @@ def test_bad_kernel_choices(capsys, argv, needles):
 def test_missing_build_tools_are_one_line_errors(monkeypatch):
     from torch.utils import cpp_extension
 
-    monkeypatch.setattr(kernels, "_loaded", None)
+    monkeypatch.setattr(kernels, "_loaded", {})
 
     def no_ninja():
         raise RuntimeError("Ninja is required to load C++ extensions")

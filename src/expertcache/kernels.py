@@ -42,7 +42,7 @@ SOURCE = Path(__file__).parent / "native" / "decode.cpp"
 # The native module while a forward that uses it runs; None means torch's kernels.
 active: ModuleType | None = None
 
-_loaded: ModuleType | None = None
+_loaded: dict[bool, ModuleType] = {}
 
 
 def _cpu_flags() -> str:
@@ -55,18 +55,20 @@ def _cpu_flags() -> str:
     return ""
 
 
-def load_native() -> ModuleType:
-    """Build (first use) or load the native kernels; one line of error if that cannot be done."""
-    global _loaded
-    if _loaded is not None:
-        return _loaded
+def load_native(portable: bool = False) -> ModuleType:
+    """Build (first use) or load the native kernels; one line of error if that cannot be done.
+
+    `portable=True` builds the loop that CPUs without AVX512-BF16 get, on x86 (for the tests)."""
+    if portable in _loaded:
+        return _loaded[portable]
     from torch.utils import cpp_extension
 
     # -fopenmp: at::parallel_for is inline and splits work across threads only when compiled
     # with OpenMP. -march=native compiles for this CPU, so the build is named after the CPU's features: a
     # cache directory shared with another machine never hands it a build for a different CPU.
     tag = hashlib.sha1(_cpu_flags().encode()).hexdigest()[:10]
-    name = f"expertcache_decode_{tag}"
+    name = f"expertcache_decode_{tag}" + ("_portable" if portable else "")
+    flags = ["-O3", "-march=native", "-fopenmp"] + (["-mno-avx512bf16"] if portable else [])
     try:
         cpp_extension.verify_ninja_availability()
     except RuntimeError:
@@ -77,14 +79,13 @@ def load_native() -> ModuleType:
         print("expertcache: building the native decode kernels (first use only, about a minute)",
               file=sys.stderr, flush=True)
     try:
-        _loaded = cpp_extension.load(name, sources=[str(SOURCE)],
-                                     extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
+        _loaded[portable] = cpp_extension.load(name, sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         text = str(e).strip()
         first = text.splitlines()[0] if text else type(e).__name__
         raise ExpertCacheError(f"--kernels native: the kernels could not be built ({first}); expected "
                                "a C++ compiler (g++) and the Python headers") from None
-    return _loaded
+    return _loaded[portable]
 
 
 def select(kernels: str, device: torch.device, dtype: torch.dtype) -> ModuleType | None:
