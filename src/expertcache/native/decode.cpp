@@ -149,13 +149,7 @@ void rms_rows(const uint16_t* x, const uint16_t* w, bool per_row, int64_t R, int
   for (int64_t i = 0; i < R; ++i) {
     const uint16_t* xi = x + i * C;
     const uint16_t* wi = per_row ? w + i * C : w;
-    float lane[16] = {0};
-    int64_t k = 0;
-    for (; k + 16 <= C; k += 16)
-      for (int j = 0; j < 16; ++j) lane[j] += widen(xi[k + j]) * widen(xi[k + j]);
-    for (int j = 0; k + j < C; ++j) lane[j] += widen(xi[k + j]) * widen(xi[k + j]);
-    float ss = 0.f;
-    for (int j = 0; j < 16; ++j) ss += lane[j];
+    const float ss = dot(xi, xi, C);  // the sum of squares, as any row's product is summed
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + static_cast<float>(eps));
     for (int64_t c = 0; c < C; ++c)
       y[i * C + c] = bf16(widen(wi[c]) * widen(bf16(widen(xi[c]) * inv).x)).x;
