@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..kernels import KERNELS
+
 DEFAULT_FRACTIONS = (0.25, 0.5, 0.75)
 
 
@@ -31,7 +33,7 @@ def run_one(spec: dict) -> dict:
                         policy=spec.get("policy") or CacheConfig().policy)
     t0 = time.perf_counter()
     model = expertcache.load(spec["model"], dtype=spec.get("dtype"), cache=cache,
-                             ctx_size=spec["prefill"] + spec["decode"] + 8)
+                             ctx_size=spec["prefill"] + spec["decode"] + 8, kernels=spec.get("kernels", "torch"))
     load_s = time.perf_counter() - t0
     replay = None
     if spec.get("route_trace"):
@@ -129,7 +131,8 @@ class RoutingReplay:
 
 def configurations(args) -> list[dict]:
     base = {"model": args.model, "threads": args.threads, "prefill": args.prefill, "decode": args.decode,
-            "ubatch": args.ubatch, "dtype": args.dtype, "policy": args.cache_policy, "route_trace": args.route_trace}
+            "ubatch": args.ubatch, "dtype": args.dtype, "policy": args.cache_policy, "route_trace": args.route_trace,
+            "kernels": args.kernels}
     specs = []
     for store in args.stores.split(","):
         specs.append({**base, "mode": "resident", "store": store})
@@ -170,7 +173,7 @@ def cmd_bench_cache(args) -> int:
                                    f"{p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
         rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
     print(table(rows))
-    print(json.dumps({"bench": "cache", "model": str(args.model), "threads": args.threads,
+    print(json.dumps({"bench": "cache", "model": str(args.model), "threads": args.threads, "kernels": args.kernels,
                       "prefill_tokens": args.prefill, "decode_tokens": args.decode, "results": rows}))
     return 0
 
@@ -200,6 +203,8 @@ def add_parser(suites) -> None:
     p.add_argument("--ubatch", type=positive_int, default=512)
     p.add_argument("-t", "--threads", type=positive_int, default=torch.get_num_threads())
     p.add_argument("--dtype")
+    p.add_argument("--kernels", choices=KERNELS, default="torch",
+                   help="the decode step's kernels: torch's or the native ones (see `expertcache run --help`)")
     p.add_argument("--cache-policy", default=None, help="eviction policy (default: the runtime's)")
     p.add_argument("--route-trace", help="force routing to follow a recorded trace (expertcache trace record)")
     p.set_defaults(func=cmd_bench_cache)

@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import ExpertCacheError
+from ..kernels import KERNELS
 
 SUITE_NAMES = ("steady", "prefill", "turns")
 DEFAULT_MAX_TOKENS = {"steady": 128, "prefill": 128, "turns": 64}
@@ -289,7 +290,7 @@ def _free_port() -> int:
 def serve_argv(args, mode: str, port: int) -> list[str]:
     argv = [sys.executable, "-m", "expertcache.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
             "--port", str(port), "--cache-mode", mode, "--cache-policy", args.cache_policy, "--store", args.store,
-            "--ubatch", str(args.ubatch), "--device", args.device]
+            "--ubatch", str(args.ubatch), "--device", args.device, "--kernels", args.kernels]
     if mode == "cache":
         for flag, v in (("--cache-experts", args.cache_experts), ("--cache-mem", args.cache_mem),
                         ("--cache-fraction", args.cache_fraction)):
@@ -411,6 +412,8 @@ def add_parser(suites) -> None:
     g.add_argument("-t", "--threads", type=positive_int, help="CPU threads of the server (the same in every mode)")
     g.add_argument("-c", "--ctx-size", type=positive_int, help="context of the server's slot")
     g.add_argument("--dtype")
+    g.add_argument("--kernels", choices=KERNELS, default="torch",
+                   help="the server's decode kernels: torch's or the native ones (see `expertcache run --help`)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--ubatch", type=positive_int, default=512)
     g.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default: 300)")
