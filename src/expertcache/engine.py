@@ -242,7 +242,7 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
          ctx_size: int | None = None, threads: int | None = None, kernels: str = "torch") -> Model:
     """Load a Hugging Face MoE checkpoint directory (the bundled model when `path` is None).
 
-    `kernels="native"` runs one-row bf16 products through the native kernels (see `kernels`)."""
+    `kernels="native"` runs a bf16 decode step on the CPU through the native kernels (see `kernels`)."""
     from .checkpoint.loader import ExpertSource, load_dense, open_checkpoint
     from .tiers import build_experts
 

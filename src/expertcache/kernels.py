@@ -22,7 +22,9 @@ Only one-row bf16 work on the CPU takes the native path (a decode step, the last
 prompt); prefill's many-row products and other dtypes use torch. Attention stays on torch for
 sliding windows, clipped q/k/v and whole-projection q/k norms (OLMoE).
 The choice belongs to a model: `MoEModel.forward` makes its kernels the active ones for the
-duration of a call (`active`), which is what `layers.linear` and the MoE block consult.
+duration of a call (`active`), which is what `layers` and the MoE block consult. That is one
+process-wide setting, so forwards of models with different choices must not run at the same
+time in two threads (the server runs all of its forwards on one worker thread).
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ def load_native(portable: bool = False) -> ModuleType:
     from torch.utils import cpp_extension
 
     # -fopenmp: at::parallel_for is inline and splits work across threads only when compiled
-    # with OpenMP. -march=native compiles for this CPU, so the build is named after the CPU's features: a
-    # cache directory shared with another machine never hands it a build for a different CPU.
+    # with OpenMP. -march=native compiles for this CPU, so the build is named after the CPU's
+    # features: a cache directory shared with another machine never hands it a build for a
+    # different CPU.
     tag = hashlib.sha1(_cpu_flags().encode()).hexdigest()[:10]
     name = f"expertcache_decode_{tag}" + ("_portable" if portable else "")
     flags = ["-O3", "-march=native", "-fopenmp"] + (["-mno-avx512bf16"] if portable else [])

@@ -407,7 +407,7 @@ def add_parser(suites) -> None:
     p.add_argument("--ubatch", type=positive_int, default=512)
     p.add_argument("--dtype")
     p.add_argument("--kernels", choices=KERNELS, default="torch",
-                   help="one-row bf16 products: torch's or the native ones (see `expertcache run --help`)")
+                   help="the decode step's kernels: torch's or the native ones (see `expertcache run --help`)")
     p.add_argument("--vs-llamacpp", metavar="FILE.gguf", help="also run llama.cpp on these weights (llama-cpp-python)")
     p.add_argument("--pairs", type=positive_int, default=3,
                    help="how many times each mode's decode bound, and llama.cpp, is timed back to back with "

@@ -163,7 +163,7 @@ def attention(cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, layer: int
     eps = cfg.rms_norm_eps
     native = kernels.active
     if (native is not None and T == 1 and x.dtype == torch.bfloat16 and cfg.sliding_window is None
-            and cfg.qk_norm in (None, "head") and cfg.clip_qkv is None):
+            and cfg.qk_norm in ("none", "head") and cfg.clip_qkv is None):
         # Everything between the two projections in one call: q/k norm, rotary, the cache append
         # and attention over the cache (see native/decode.cpp).
         qkv = linear(x, w.qkv, w.qkv_bias)[0]                                      # [(H+2G)*Dh]
