@@ -60,7 +60,7 @@ def _cpu_flags() -> str:
 def load_native(portable: bool = False) -> ModuleType:
     """Build (first use) or load the native kernels; one line of error if that cannot be done.
 
-    `portable=True` builds the loop that CPUs without AVX512-BF16 get, on x86 (for the tests)."""
+    `portable=True` builds the loop that CPUs without AVX512-BF16 get, on any CPU (for the tests)."""
     if portable in _loaded:
         return _loaded[portable]
     from torch.utils import cpp_extension
@@ -71,7 +71,7 @@ def load_native(portable: bool = False) -> ModuleType:
     # different CPU.
     tag = hashlib.sha1(_cpu_flags().encode()).hexdigest()[:10]
     name = f"expertcache_decode_{tag}" + ("_portable" if portable else "")
-    flags = ["-O3", "-march=native", "-fopenmp"] + (["-mno-avx512bf16"] if portable else [])
+    flags = ["-O3", "-march=native", "-fopenmp"] + (["-DEXPERTCACHE_PORTABLE"] if portable else [])
     try:
         cpp_extension.verify_ninja_availability()
     except RuntimeError:

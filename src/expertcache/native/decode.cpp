@@ -19,7 +19,9 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+// EXPERTCACHE_PORTABLE builds the portable loop on any CPU (the tests check both builds).
+#if defined(__AVX512BF16__) && !defined(EXPERTCACHE_PORTABLE)
+#define EXPERTCACHE_BF16_DOT 1
 #include <immintrin.h>
 #endif
 
@@ -36,7 +38,7 @@ inline float widen(uint16_t v) {
 
 // sum_k row[k] * x[k], accumulated in fp32.
 inline float dot(const uint16_t* row, const uint16_t* x, int64_t K) {
-#if defined(__AVX512BF16__)
+#if defined(EXPERTCACHE_BF16_DOT)
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
@@ -237,7 +239,7 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& qk_norm, dou
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-#if defined(__AVX512BF16__)
+#if defined(EXPERTCACHE_BF16_DOT)
   m.attr("isa") = "avx512-bf16";
 #else
   m.attr("isa") = "portable";
