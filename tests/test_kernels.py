@@ -170,6 +170,14 @@ def test_decode_bitwise_identical_across_cache_modes(checkpoint, native_referenc
     assert torch.equal(decode_logits(model), native_reference)
 
 
+def test_decode_of_a_packed_checkpoint_is_the_same(checkpoint, native_reference, tmp_path):
+    from expertcache.checkpoint.pack import pack
+
+    packed = pack(checkpoint, tmp_path / "packed", progress=False)
+    for cache in (CacheConfig(mode="resident"), CacheConfig(mode="cache", experts=5, store="disk")):
+        assert torch.equal(decode_logits(expertcache.load(packed, cache=cache, kernels="native")), native_reference)
+
+
 def test_native_decode_is_close_to_torch_and_takes_the_native_path(checkpoint, native_reference, monkeypatch):
     model = expertcache.load(checkpoint, kernels="native")
     calls = {"gemv": 0, "experts": 0, "attend": 0, "rms_norm": 0}

@@ -104,7 +104,3 @@ def select(kernels: str, device: torch.device, dtype: torch.dtype) -> ModuleType
                                "expected bfloat16 (--dtype bfloat16)")
     return load_native()
 
-
-def fits(t: torch.Tensor) -> bool:
-    """Whether a weight matrix can go to the native kernels as it is."""
-    return t.dtype == torch.bfloat16 and t.dim() == 2 and t.is_contiguous() and t.device.type == "cpu"

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..kernels import KERNELS
 
 DEFAULT_FRACTIONS = (0.25, 0.5, 0.75)
 
@@ -191,7 +190,7 @@ def _fractions(text: str) -> list[float]:
 
 
 def add_parser(suites) -> None:
-    from ..commands.common import positive_int
+    from ..commands.common import add_kernels_flag, positive_int
 
     p = suites.add_parser("cache", help="resident vs staging vs cache at several capacities and slow tiers")
     p.add_argument("-m", "--model", required=True, help="checkpoint (use `expertcache synth` for real sizes)")
@@ -203,8 +202,7 @@ def add_parser(suites) -> None:
     p.add_argument("--ubatch", type=positive_int, default=512)
     p.add_argument("-t", "--threads", type=positive_int, default=torch.get_num_threads())
     p.add_argument("--dtype")
-    p.add_argument("--kernels", choices=KERNELS, default="torch",
-                   help="the decode step's kernels: torch's or the native ones (see `expertcache run --help`)")
+    add_kernels_flag(p)
     p.add_argument("--cache-policy", default=None, help="eviction policy (default: the runtime's)")
     p.add_argument("--route-trace", help="force routing to follow a recorded trace (expertcache trace record)")
     p.set_defaults(func=cmd_bench_cache)

@@ -26,7 +26,6 @@ import uuid
 from pathlib import Path
 
 from ..errors import ExpertCacheError
-from ..kernels import KERNELS
 
 SUITE_NAMES = ("steady", "prefill", "turns")
 DEFAULT_MAX_TOKENS = {"steady": 128, "prefill": 128, "turns": 64}
@@ -392,7 +391,7 @@ def cmd_bench_serve(args) -> int:
 
 
 def add_parser(suites) -> None:
-    from ..commands.common import add_cache_flags, positive_int
+    from ..commands.common import add_cache_flags, add_kernels_flag, positive_int
 
     p = suites.add_parser("serve", help="measure an OpenAI-compatible server: steady, prefill or turns")
     p.add_argument("--suite", choices=SUITE_NAMES, required=True)
@@ -412,8 +411,7 @@ def add_parser(suites) -> None:
     g.add_argument("-t", "--threads", type=positive_int, help="CPU threads of the server (the same in every mode)")
     g.add_argument("-c", "--ctx-size", type=positive_int, help="context of the server's slot")
     g.add_argument("--dtype")
-    g.add_argument("--kernels", choices=KERNELS, default="torch",
-                   help="the server's decode kernels: torch's or the native ones (see `expertcache run --help`)")
+    add_kernels_flag(g)
     g.add_argument("--device", default="cpu")
     g.add_argument("--ubatch", type=positive_int, default=512)
     g.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default: 300)")

@@ -29,7 +29,6 @@ import torch
 from tqdm import tqdm
 
 from ..errors import ExpertCacheError
-from ..kernels import KERNELS
 from ..memory import host_zeros
 
 PREFILLS = (256, 512, 2048)
@@ -394,7 +393,7 @@ def cmd_bench_speed(args) -> int:
 
 
 def add_parser(suites) -> None:
-    from ..commands.common import positive_int
+    from ..commands.common import add_kernels_flag, positive_int
     from .cache_bench import _fractions
 
     p = suites.add_parser("speed", help="decode/prefill speed, time split, bandwidth and FLOP/s vs the machine")
@@ -406,8 +405,7 @@ def add_parser(suites) -> None:
     p.add_argument("--fractions", type=_fractions, default=[0.25, 0.5, 0.75])
     p.add_argument("--ubatch", type=positive_int, default=512)
     p.add_argument("--dtype")
-    p.add_argument("--kernels", choices=KERNELS, default="torch",
-                   help="the decode step's kernels: torch's or the native ones (see `expertcache run --help`)")
+    add_kernels_flag(p)
     p.add_argument("--vs-llamacpp", metavar="FILE.gguf", help="also run llama.cpp on these weights (llama-cpp-python)")
     p.add_argument("--pairs", type=positive_int, default=3,
                    help="how many times each mode's decode bound, and llama.cpp, is timed back to back with "

@@ -43,6 +43,11 @@ def add_model_flags(p: argparse.ArgumentParser, ctx: bool = True) -> None:
     if ctx:
         p.add_argument("-c", "--ctx-size", type=positive_int, help="context size (default: the model's)")
     p.add_argument("--ubatch", type=positive_int, default=512, help="prefill micro-batch size (default: 512)")
+    add_kernels_flag(p)
+
+
+def add_kernels_flag(p) -> None:
+    """`--kernels`, for every command that loads a model (`p` a parser or an argument group)."""
     p.add_argument("--kernels", choices=KERNELS, default="torch",
                    help="decode step on the CPU in bf16: torch's kernels, or native ones compiled on first use "
                         "(faster decode; needs g++ and ninja; results differ from torch's in the last bits)")

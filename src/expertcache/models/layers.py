@@ -30,7 +30,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """
     if x.shape[0] == 1 and x.dtype in _REDUCED and x.device.type == "cpu":
         native = kernels.active
-        if native is not None and x.dtype == w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous():
+        if native is not None and w.is_contiguous():  # native implies a bf16 model on the CPU
             y = native.gemv(w, x[0].contiguous())    # [N]
             return (y if b is None else y + b)[None]  # [1, N]
         # torch.backends.mkldnn.flags() does the same but costs ~10 us and warns on every call.
@@ -47,7 +47,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 and scale in the compute dtype, as the reference implementations do.
     native = kernels.active
-    if native is not None and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype == torch.bfloat16:
+    if native is not None and x.dim() == 2 and x.shape[0] == 1:
         return native.rms_norm(x.contiguous(), weight, eps)  # one call for the eight below
     dtype = x.dtype
     xf = x.float()
@@ -162,7 +162,7 @@ def attention(cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, layer: int
     H, G, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     native = kernels.active
-    if (native is not None and T == 1 and x.dtype == torch.bfloat16 and cfg.sliding_window is None
+    if (native is not None and T == 1 and cfg.sliding_window is None
             and cfg.qk_norm in ("none", "head") and cfg.clip_qkv is None):
         # Everything between the two projections in one call: q/k norm, rotary, the cache append
         # and attention over the cache (see native/decode.cpp).

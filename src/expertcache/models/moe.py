@@ -87,9 +87,9 @@ def _moe_one_token(x: torch.Tensor, routing: Routing, provider: ExpertProvider, 
     ys: dict[int, torch.Tensor] = {}
     native = kernels.active
     for wave in provider.fetch(layer, sorted(ranked)):
-        if native is not None and x.dtype == torch.bfloat16 and all(
-                kernels.fits(g) and kernels.fits(d) for _, g, d in wave):
-            # The whole wave in one call; each expert's row is what it would be alone.
+        if native is not None:
+            # The whole wave in one call; each expert's row is what it would be alone. Slot views
+            # are contiguous [2I, D] and [D, I] in the model's dtype, which native requires (bf16).
             yw = native.experts(x[0].contiguous(), [g for _, g, _ in wave], [d for _, _, d in wave])  # [n, D]
             for j, (e, _, _) in enumerate(wave):
                 ys[e] = yw[j: j + 1]
