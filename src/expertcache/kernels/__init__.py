@@ -39,7 +39,7 @@ import torch
 from .errors import ExpertCacheError
 
 KERNELS = ("torch", "native")
-SOURCE = Path(__file__).parent / "native" / "decode.cpp"
+SOURCE = Path(__file__).parent.parent / "native" / "decode.cpp"
 
 # The native module while a forward that uses it runs; None means torch's kernels.
 active: ModuleType | None = None
