@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import GenerationResult, Model
 from ..errors import ExpertCacheError
 from . import protocol as P
+from .auth import require_api_key
 from .metrics import make_registry
 from .slots import Job, Scheduler
 
@@ -25,9 +26,10 @@ DISCONNECT_POLL_S = 0.1
 
 
 def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, cache_prompt: bool = True,
-               ubatch: int = 512) -> FastAPI:
+               ubatch: int = 512, api_key: str | None = None) -> FastAPI:
     """An app serving `model` under `model_id` (default: the model directory's name) with
-    `n_slots` slots of `model.ctx_size` tokens each; the worker runs while the app runs."""
+    `n_slots` slots of `model.ctx_size` tokens each; the worker runs while the app runs. With
+    `api_key`, every /v1 route wants it as a bearer token (see auth.py)."""
     if model.tokenizer is None:
         raise ExpertCacheError(f"{model.path}: the server needs a tokenizer (tokenizer.json)")
     scheduler = Scheduler(model, n_slots, cache_prompt)
@@ -43,7 +45,8 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
             scheduler.stop()
 
     app = FastAPI(title="expertcache", lifespan=lifespan)
-    app.state.scheduler, app.state.model_id = scheduler, served
+    app.state.scheduler, app.state.model_id, app.state.api_key = scheduler, served, api_key
+    authorized = [Depends(require_api_key)]
     registry = make_registry(model, scheduler)
 
     # ---- errors: always OpenAI's shape ----
@@ -77,14 +80,14 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
             raise P.ApiError(str(e)) from None
 
     # ---- generation ----
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(request: Request):
         body = await body_of(request)
         messages = P.chat_messages(body)
         ids = encode(model.tokenizer.encode_chat, messages)
         return await _generate(request, body, ids, "messages", chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: Request):
         body = await body_of(request)
         ids = encode(P.completion_prompt, body, model.tokenizer, model.cfg.vocab_size)
@@ -197,7 +200,7 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
         return {"content": model.tokenizer.decode(ids, skip_special_tokens=False)}
 
     # ---- status ----
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=authorized)
     async def models():
         return {"object": "list", "data": [{
             "id": served, "object": "model", "created": int(model.path.stat().st_mtime), "owned_by": "expertcache",
