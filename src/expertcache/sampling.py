@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .errors import ExpertCacheError
+
+# torch.Generator.manual_seed takes any integer that fits 64 bits, signed or unsigned.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+_TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,14 +23,16 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ExpertCacheError(f"temperature {self.temperature} must be >= 0")
+        if not 0 <= self.temperature < math.inf:  # also refuses NaN
+            raise ExpertCacheError(f"temperature {self.temperature} must be a finite number >= 0")
         if self.top_k < 0:
             raise ExpertCacheError(f"top_k {self.top_k} must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ExpertCacheError(f"top_p {self.top_p} must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
             raise ExpertCacheError(f"min_p {self.min_p} must be in [0, 1]")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ExpertCacheError(f"seed {self.seed} must be in [{SEED_MIN}, {SEED_MAX}] (64 bits)")
 
 
 class Sampler:
@@ -39,7 +46,11 @@ class Sampler:
         p = self.p
         if p.temperature == 0:
             return int(torch.argmax(logits))
-        logits = logits.float() / p.temperature
+        # Shifted so that the largest logit is 0 before dividing, and the temperature kept a normal
+        # float32: however small the temperature, the others go to -inf at worst (probability 0)
+        # and nothing becomes +inf or NaN (0 / 0).
+        logits = logits.float()
+        logits = (logits - logits.max()) / max(p.temperature, _TINY)
         if p.top_k and p.top_k < logits.shape[0]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -16,6 +16,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from .errors import ExpertCacheError
 
 
+# Decoding more ids than this goes through decode_batch, which releases the GIL.
+_LONG = 4096
+
+
 def _token_text(value) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
@@ -59,14 +63,23 @@ class Tokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`. Text that is not valid Unicode (a lone surrogate) is an ExpertCacheError."""
+        try:
+            # encode_batch releases the GIL while it works (encode holds it): a server's other
+            # threads keep running while a large prompt is tokenized.
+            ids = self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except (TypeError, UnicodeError) as e:
+            raise ExpertCacheError(f"cannot tokenize the text: {_unicode_problem(text) or e}") from None
         # Some tokenizer.json files leave BOS to tokenizer_config's add_bos_token.
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id, *ids]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if len(ids) > _LONG:  # as in encode: without the GIL; a short call stays on the cheaper path
+            return self.tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         if not self.chat_template:
@@ -90,12 +103,28 @@ class Tokenizer:
                 self._compiled = env.from_string(self.chat_template)
             except jinja2.TemplateError as e:
                 raise ExpertCacheError(f"chat template does not compile: {e}") from None
-        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+        try:
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+        except ExpertCacheError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError,
+                RecursionError) as e:
+            # The template met messages it cannot render (a missing key, a value of another type).
+            raise ExpertCacheError(f"chat template failed to render these messages: {type(e).__name__}: {e}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The rendered template already holds any special tokens it wants, as in transformers.
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _unicode_problem(text: str) -> str | None:
+    """Where `text` stops being encodable as UTF-8 (a lone surrogate), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate U+{ord(text[e.start]):04X} at character {e.start} (not valid Unicode)"
+    return None
 
 
 class StreamDecoder:
