@@ -1,0 +1,34 @@
+"""Random valid ggml blocks for the quantized-kernel tests: random bytes everywhere, except the
+fp16 scale fields, which hold finite fp16 values over a wide range (subnormals included)."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+# Byte offsets of each block's fp16 fields (ggml's block structs).
+FP16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
+               Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+               Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
+
+
+def fp16_values(rng: np.random.Generator, n: int, lo: int = -24, hi: int = 4) -> np.ndarray:
+    """n finite fp16 values of either sign with magnitudes 2^lo .. 2^hi, and a few zeros."""
+    v = rng.standard_normal(n) * 2.0 ** rng.integers(lo, hi, n)
+    v[rng.random(n) < 0.02] = 0.0
+    return v.astype(np.float16)
+
+
+def random_rows(qtype: Q, rows: int, cols: int, seed: int, lo: int = -24, hi: int = 4) -> np.ndarray:
+    """`rows` rows of `cols` weights of type `qtype` as raw bytes: uint8 [rows, row_bytes]."""
+    rng = np.random.default_rng(seed)
+    size, nbytes = GGML_QUANT_SIZES[qtype]
+    assert cols % size == 0
+    blocks = rows * cols // size
+    if qtype == Q.F16:
+        raw = fp16_values(rng, blocks, lo, hi).view(np.uint8)
+    else:
+        raw = rng.integers(0, 256, (blocks, nbytes), dtype=np.uint8)
+        for at in FP16_FIELDS.get(qtype, ()):
+            raw[:, at:at + 2] = fp16_values(rng, blocks, lo, hi).view(np.uint8).reshape(blocks, 2)
+    return raw.reshape(rows, -1)
