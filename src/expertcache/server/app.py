@@ -18,6 +18,7 @@ from ..engine import GenerationResult, Model
 from ..errors import ExpertCacheError
 from . import protocol as P
 from .auth import require_api_key
+from .dashboard import add_dashboard
 from .metrics import make_registry
 from .slots import Job, Scheduler
 
@@ -220,6 +221,7 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    add_dashboard(app, model, scheduler, model_id=served)  # the page at / and /cache/state, /cache/events
     return app
 
 
