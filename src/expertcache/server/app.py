@@ -19,18 +19,21 @@ from ..errors import ExpertCacheError
 from . import protocol as P
 from .auth import require_api_key
 from .dashboard import add_dashboard
+from .limits import MAX_BODY_BYTES, read_body
 from .metrics import make_registry
 from .slots import Job, Scheduler
+from .stream import StopGuard
 
 # While a non-streaming request waits, how often to check whether its client left.
 DISCONNECT_POLL_S = 0.1
 
 
 def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, cache_prompt: bool = True,
-               ubatch: int = 512, api_key: str | None = None) -> FastAPI:
+               ubatch: int = 512, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """An app serving `model` under `model_id` (default: the model directory's name) with
     `n_slots` slots of `model.ctx_size` tokens each; the worker runs while the app runs. With
-    `api_key`, every /v1 route wants it as a bearer token (see auth.py)."""
+    `api_key`, every route but /health wants it as a bearer token (see auth.py); a request body
+    over `max_body_bytes` is refused with 413."""
     if model.tokenizer is None:
         raise ExpertCacheError(f"{model.path}: the server needs a tokenizer (tokenizer.json)")
     scheduler = Scheduler(model, n_slots, cache_prompt)
@@ -70,46 +73,72 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
                             status_code=500)
 
     async def body_of(request: Request) -> dict:
-        body = P.parse_json(await request.body())
+        body = P.parse_json(await read_body(request, max_body_bytes))
         P.check_model(body, served)
         return body
 
-    def encode(fn, *args):
+    async def off_loop(param: str, fn, *args):
+        """Run a template or the tokenizer in a thread: the event loop keeps answering meanwhile."""
         try:
-            return fn(*args)
-        except ExpertCacheError as e:  # a chat template that refuses the messages, ...
-            raise P.ApiError(str(e)) from None
+            return await asyncio.to_thread(fn, *args)
+        except ExpertCacheError as e:  # a chat template that refuses the messages, text it cannot encode
+            raise P.ApiError(str(e), param=param) from None
 
     # ---- generation ----
     @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(request: Request):
         body = await body_of(request)
         messages = P.chat_messages(body)
-        ids = encode(model.tokenizer.encode_chat, messages)
-        return await _generate(request, body, ids, "messages", chat=True)
+        gen, stream, include_usage = _options(body)
+        ids = await off_loop("messages", model.tokenizer.encode_chat, messages)
+        return await _generate(request, body, ids, gen, stream, include_usage, "messages", chat=True)
 
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: Request):
         body = await body_of(request)
-        ids = encode(P.completion_prompt, body, model.tokenizer, model.cfg.vocab_size)
-        return await _generate(request, body, ids, "prompt", chat=False)
+        gen, stream, include_usage = _options(body)
+        ids = await off_loop("prompt", P.completion_prompt, body, model.tokenizer, model.cfg.vocab_size)
+        return await _generate(request, body, ids, gen, stream, include_usage, "prompt", chat=False)
 
-    async def _generate(request: Request, body: dict, ids: list[int], param: str, chat: bool):
-        P.check_prompt_fits(ids, ctx, param)
-        gen = P.sampling(body, ctx, len(ids))
-        gen["max_tokens"] = min(gen["max_tokens"], ctx - len(ids) + 1)  # the last one needs no KV slot
+    def _options(body: dict) -> tuple[dict, bool, bool]:
+        """Every field but the prompt, checked before the prompt is rendered and tokenized."""
+        gen = P.sampling(body, ctx)
         gen["ubatch"] = ubatch
         stream = P.get_bool(body, "stream", False)
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):
             raise P.ApiError("'stream_options' must be an object", param="stream_options")
-        include_usage = P.get_bool(opts or {}, "include_usage", False)
+        return gen, stream, P.get_bool(opts or {}, "include_usage", False)
+
+    async def _generate(request: Request, body: dict, ids: list[int], gen: dict, stream: bool,
+                        include_usage: bool, param: str, chat: bool):
+        P.check_prompt_fits(ids, ctx, param)
+        P.limit_tokens(gen, ctx, len(ids))
         job = Job(ids, gen, cache_prompt=P.get_bool(body, "cache_prompt", True))
         rid = P.new_id("chatcmpl" if chat else "cmpl")
-        if stream:
-            return StreamingResponse(_stream(job, rid, chat, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _complete(request, job, rid, chat)
+        events = _wire(job)
+        if not stream:
+            job.on_text = None  # nothing to stream; cancellation is still checked between tokens
+        scheduler.submit(job)
+        # Nothing is sent before the worker's first event: an error in the prompt's processing is
+        # still an HTTP status, for a stream too.
+        first = await _next_event(request, job, events)
+        if first is None:
+            return Response(status_code=499)  # the client left; the job is cancelled
+        if first[0] == "done":
+            _raise_engine_error(first[2])
+            if first[1] is None:  # cancelled by a shutdown
+                raise P.ApiError("the request was cancelled", status=503, code="cancelled")
+        if not stream:
+            while first[0] != "done":
+                first = await _next_event(request, job, events)
+                if first is None:
+                    return Response(status_code=499)
+            _, res, err = first
+            _raise_engine_error(err)
+            return (P.chat_response if chat else P.completion_response)(rid, served, res)
+        return StreamingResponse(_stream(job, events, first, rid, chat, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def _wire(job: Job) -> asyncio.Queue:
         """Connect the job's worker-thread callbacks to an asyncio queue of ("text"|"done", ...)."""
@@ -124,100 +153,109 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
         job.on_done = lambda res, err: put(("done", res, err))
         return events
 
-    async def _complete(request: Request, job: Job, rid: str, chat: bool):
-        events = _wire(job)
-        job.on_text = None  # nothing to stream; cancellation is still checked between tokens
-        scheduler.submit(job)
-        done = False
-        try:
-            while not done:
-                try:
-                    item = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)  # nobody reads it; `finally` cancels the job
-                    continue
-                done = item[0] == "done"
-        finally:
-            if not done:
+    async def _next_event(request: Request, job: Job, events: asyncio.Queue):
+        """The job's next event, or None (and the job cancelled) when the client leaves first."""
+        while True:
+            try:
+                return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    job.cancelled.set()
+                    return None
+            except BaseException:  # the server is shutting down the request
                 job.cancelled.set()
-        _, res, err = item
-        _raise_engine_error(err)
-        return (P.chat_response if chat else P.completion_response)(rid, served, res)
+                raise
 
-    async def _stream(job: Job, rid: str, chat: bool, include_usage: bool):
-        events = _wire(job)
+    async def _stream(job: Job, events: asyncio.Queue, item, rid: str, chat: bool, include_usage: bool):
         created = int(time.time())
-        scheduler.submit(job)
+        guard = StopGuard(job.gen["stop"])
+
+        def chunk(delta: dict | str, finish: str | None = None, timings: dict | None = None) -> bytes:
+            """A chat delta or a completion's text; with include_usage, "usage": null as OpenAI's."""
+            c = (P.chat_chunk(rid, served, created, delta, finish, timings=timings) if chat
+                 else P.completion_chunk(rid, served, created, delta, finish, timings=timings))
+            if include_usage:
+                c["usage"] = None
+            return P.sse(c)
+
         try:
             if chat:
-                yield P.sse(P.chat_chunk(rid, served, created, {"role": "assistant", "content": ""}))
-            while True:
+                yield chunk({"role": "assistant", "content": ""})
+            while item[0] == "text":
+                piece = guard.push(item[1])
+                if piece:
+                    yield chunk({"content": piece} if chat else piece)
                 item = await events.get()
-                if item[0] == "text":
-                    piece = item[1]
-                    chunk = (P.chat_chunk(rid, served, created, {"content": piece}) if chat
-                             else P.completion_chunk(rid, served, created, piece))
-                    yield P.sse(chunk)
-                    continue
-                _, res, err = item
-                if err is not None or res is None:
-                    e = err if err is not None else RuntimeError("the request was cancelled")
-                    yield P.sse(_error_of(e).body())
-                    break
+            _, res, err = item
+            if err is not None or res is None:
+                e = err if err is not None else RuntimeError("the request was cancelled")
+                yield P.sse(_error_of(e).body())
+            else:
                 res: GenerationResult
-                reason = P.finish_reason(res)
+                rest = guard.finish(res.text)
+                if rest:
+                    yield chunk({"content": rest} if chat else rest)
                 # The last chunk carries the finish reason and llama-server's timings.
-                last = (P.chat_chunk(rid, served, created, {}, reason, timings=res.timings()) if chat
-                        else P.completion_chunk(rid, served, created, "", reason, timings=res.timings()))
-                yield P.sse(last)
+                yield chunk({} if chat else "", P.finish_reason(res), timings=res.timings())
                 if include_usage:
                     u = P.usage(res)
                     yield P.sse(P.chat_chunk(rid, served, created, None, usage_=u) if chat
                                 else P.completion_chunk(rid, served, created, None, usage_=u))
-                break
             yield P.sse("[DONE]")
         finally:
             job.cancelled.set()  # a client that left stops its generation and frees its slot
 
     # ---- tokens ----
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=authorized)
     async def tokenize(request: Request):
-        body = P.parse_json(await request.body())
+        body = P.parse_json(await read_body(request, max_body_bytes))
         content = body.get("content")
         if not isinstance(content, str):
             raise P.ApiError(f"'content' must be a string, got {P._type_name(content)}", param="content")
         add_special = P.get_bool(body, "add_special", False)
-        ids = model.tokenizer.encode(content, add_special_tokens=add_special)
-        if P.get_bool(body, "with_pieces", False):
-            return {"tokens": [{"id": i, "piece": model.tokenizer.decode([i], skip_special_tokens=False)}
-                               for i in ids]}
-        return {"tokens": ids}
+        with_pieces = P.get_bool(body, "with_pieces", False)
 
-    @app.post("/detokenize")
+        def run():
+            ids = model.tokenizer.encode(content, add_special_tokens=add_special)
+            if with_pieces:
+                return [{"id": i, "piece": model.tokenizer.decode([i], skip_special_tokens=False)} for i in ids]
+            return ids
+
+        return {"tokens": await off_loop("content", run)}
+
+    @app.post("/detokenize", dependencies=authorized)
     async def detokenize(request: Request):
-        body = P.parse_json(await request.body())
+        body = P.parse_json(await read_body(request, max_body_bytes))
         ids = P.check_token_ids(body.get("tokens"), model.cfg.vocab_size, "tokens")
-        return {"content": model.tokenizer.decode(ids, skip_special_tokens=False)}
+        return {"content": await off_loop("tokens", model.tokenizer.decode, ids, False)}
 
     # ---- status ----
+    created = int(model.path.stat().st_mtime)
+
+    def card() -> dict:
+        return {"id": served, "object": "model", "created": created, "owned_by": "expertcache"}
+
     @app.get("/v1/models", dependencies=authorized)
     async def models():
-        return {"object": "list", "data": [{
-            "id": served, "object": "model", "created": int(model.path.stat().st_mtime), "owned_by": "expertcache",
-            "meta": {"n_ctx": ctx, "n_ctx_train": model.cfg.max_position, "n_vocab": model.cfg.vocab_size,
-                     "n_slots": n_slots}}]}
+        return {"object": "list", "data": [{**card(), "meta": {
+            "n_ctx": ctx, "n_ctx_train": model.cfg.max_position, "n_vocab": model.cfg.vocab_size, "n_slots": n_slots}}]}
+
+    @app.get("/v1/models/{name:path}", dependencies=authorized)
+    async def model_card(name: str):  # as OpenAI's: the model object, or 404 model_not_found
+        if name != served:
+            raise P.ApiError(f"The model '{name}' does not exist", status=404, param="model", code="model_not_found")
+        return card()
 
     @app.get("/health")
     async def health():
         return {"status": "ok"}
 
-    @app.get("/props")
+    @app.get("/props", dependencies=authorized)
     async def props():  # llama-server's: clients read the context size and slot count here
         return {"default_generation_settings": {"n_ctx": ctx}, "total_slots": n_slots,
                 "model_path": str(model.path), "model_alias": served, "cache_prompt": cache_prompt}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=authorized)  # usage figures are data too (Prometheus sends a bearer token)
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -226,10 +264,13 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
 
 
 def _error_of(e: BaseException) -> P.ApiError:
+    """The API's answer to an error from the engine. An ExpertCacheError is the request's fault
+    (400) unless its class says otherwise with `status` and `code` attributes (the weights
+    changing under a request: 503 `model_changed`)."""
     if isinstance(e, P.ApiError):
         return e
     if isinstance(e, ExpertCacheError):
-        return P.ApiError(str(e))
+        return P.ApiError(str(e), status=getattr(e, "status", 400), code=getattr(e, "code", None))
     return P.ApiError(f"internal error: {type(e).__name__}: {e}", status=500)
 
 

@@ -32,30 +32,103 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# JSON nested deeper than this is refused (a request needs about 5 levels; the parser itself
+# would give up near Python's recursion limit).
+MAX_DEPTH = 64
+# Integers with more digits than this are kept as `LongInt` instead of being converted (Python
+# refuses to convert more than 4300 digits, and no field takes a value that long).
+MAX_INT_DIGITS = 40
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what the sampler's generator accepts
+
+
+class LongInt:
+    """An integer literal too long to be any field's value; every field check refuses it."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, text: str):
+        self.digits = len(text.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
+
+    __str__ = __repr__
+
+
+def _parse_int(text: str):
+    return int(text) if len(text) <= MAX_INT_DIGITS else LongInt(text)
+
+
 def parse_json(raw: bytes) -> dict:
+    """A request body: a JSON object, at most MAX_DEPTH deep, whose strings are valid Unicode."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        body = json.loads(raw, parse_int=_parse_int)
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise ApiError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(f"the request body is nested deeper than {MAX_DEPTH} levels", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise ApiError(f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_json")
+        raise ApiError(f"the request body must be a JSON object, not {_type_name(body)}", code="invalid_json")
+    _check_tree(body)
     return body
+
+
+def _check_tree(body: dict) -> None:
+    """Refuse nesting beyond MAX_DEPTH and strings that are not valid Unicode (lone surrogates,
+    which JSON's \\uD800 escapes can produce), naming where they are."""
+    stack = [(body, "", 1)]
+    while stack:
+        node, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(f"the request body is nested deeper than {MAX_DEPTH} levels (at '{where}')",
+                           param=_param(where), code="invalid_json")
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, v in items:
+            path = (f"{where}.{key}" if where else key) if isinstance(key, str) else f"{where}[{key}]"
+            if isinstance(key, str):
+                _check_unicode(key, path, is_key=True)
+            if isinstance(v, str):
+                _check_unicode(v, path)
+            elif isinstance(v, dict | list):
+                stack.append((v, path, depth + 1))
+
+
+def _param(path: str) -> str | None:
+    return path.split(".")[0].split("[")[0] or None
+
+
+def _check_unicode(text: str, where: str, is_key: bool = False) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        what = "a key" if is_key else "a string"
+        raise ApiError(f"'{where}' holds {what} that is not valid Unicode: a lone surrogate "
+                       f"U+{ord(text[e.start]):04X} at character {e.start}", param=_param(where)) from None
 
 
 # ---- fields ----
 def _type_name(v) -> str:
     return "null" if v is None else {bool: "boolean", int: "integer", float: "number", str: "string",
-                                     list: "array", dict: "object"}.get(type(v), type(v).__name__)
+                                     list: "array", dict: "object", LongInt: "integer"}.get(type(v), type(v).__name__)
 
 
-def get_int(body: dict, name: str, default=None, lo: int | None = None, hi: int | None = None):
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def get_int(body: dict, name: str, default=None, lo: int | None = INT64_MIN, hi: int | None = INT64_MAX):
+    """An integer field in [lo, hi] (by default, one that fits 64 bits)."""
     v = body.get(name)
     if v is None:
         return default
+    if isinstance(v, LongInt):
+        raise ApiError(f"'{name}' is {v!r}; it must be in [{lo}, {hi}]", param=name)
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(f"'{name}' must be an integer, got {_type_name(v)} {v!r}", param=name)
+        raise ApiError(f"'{name}' must be an integer, got {_type_name(v)} {_short(v)}", param=name)
     if lo is not None and v < lo:
         raise ApiError(f"'{name}' is {v}; it must be >= {lo}", param=name)
     if hi is not None and v > hi:
@@ -67,10 +140,13 @@ def get_number(body: dict, name: str, default: float, lo: float, hi: float, lo_o
     v = body.get(name)
     if v is None:
         return default
+    interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
+    if isinstance(v, LongInt):
+        raise ApiError(f"'{name}' is {v!r}; it must be in {interval}", param=name)
     if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ApiError(f"'{name}' must be a number, got {_type_name(v)} {v!r}", param=name)
-    if math.isnan(v) or v < lo or (lo_open and v == lo) or v > hi:
-        interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise ApiError(f"'{name}' must be a number, got {_type_name(v)} {_short(v)}", param=name)
+    # Compared before any float(): an int beyond a float's range must not overflow here.
+    if (isinstance(v, float) and math.isnan(v)) or v < lo or (lo_open and v == lo) or v > hi:
         raise ApiError(f"'{name}' is {v}; it must be in {interval}", param=name)
     return float(v)
 
@@ -80,7 +156,7 @@ def get_bool(body: dict, name: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise ApiError(f"'{name}' must be a boolean, got {_type_name(v)} {v!r}", param=name)
+        raise ApiError(f"'{name}' must be a boolean, got {_type_name(v)} {_short(v)}", param=name)
     return v
 
 
@@ -109,12 +185,15 @@ def check_model(body: dict, served: str) -> None:
 def _reject(body: dict, name: str, allowed) -> None:
     v = body.get(name)
     if v is not None and v not in allowed:
-        raise ApiError(f"'{name}' = {v!r} is not supported by this server", param=name, code="unsupported_parameter")
+        raise ApiError(f"'{name}' = {_short(v)} is not supported by this server", param=name,
+                       code="unsupported_parameter")
 
 
-def sampling(body: dict, ctx: int, prompt_tokens: int) -> dict:
-    """generate() keyword arguments from a request. max_tokens may not exceed the context; a
-    completion that would run past it is cut there (finish_reason "length"), as llama-server does."""
+def sampling(body: dict, ctx: int) -> dict:
+    """generate() keyword arguments from a request, all checked. max_tokens is None when the
+    request leaves it out (`limit_tokens` settles it once the prompt is known); it may not exceed
+    the context, and a completion that would run past it is cut there (finish_reason "length"),
+    as llama-server does."""
     _reject(body, "n", (1,))
     _reject(body, "logprobs", (False, 0))
     _reject(body, "top_logprobs", (0,))
@@ -129,19 +208,24 @@ def sampling(body: dict, ctx: int, prompt_tokens: int) -> dict:
                        code="unsupported_parameter")
     names = [n for n in ("max_completion_tokens", "max_tokens", "n_predict") if body.get(n) is not None]
     name = names[0] if names else "max_tokens"
-    max_tokens = get_int(body, name, None, lo=0, hi=ctx)
-    if max_tokens is None:  # as llama-server and vLLM: up to the end of the context
-        max_tokens = max(0, ctx - prompt_tokens)
     return {
-        "max_tokens": max_tokens,
+        "max_tokens": get_int(body, name, None, lo=0, hi=ctx),
         "temperature": get_number(body, "temperature", 1.0, 0.0, 2.0),
         "top_p": get_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         "top_k": get_int(body, "top_k", 0, lo=0),
         "min_p": get_number(body, "min_p", 0.0, 0.0, 1.0),
-        "seed": get_int(body, "seed", None),
+        "seed": get_int(body, "seed", None, lo=SEED_MIN, hi=SEED_MAX),
         "stop": get_stop(body),
         "ignore_eos": get_bool(body, "ignore_eos", False),
     }
+
+
+def limit_tokens(gen: dict, ctx: int, prompt_tokens: int) -> None:
+    """Settle max_tokens for a prompt: by default up to the end of the context (as llama-server
+    and vLLM), and never past it (the last token needs no KV slot)."""
+    if gen["max_tokens"] is None:
+        gen["max_tokens"] = max(0, ctx - prompt_tokens)
+    gen["max_tokens"] = min(gen["max_tokens"], ctx - prompt_tokens + 1)
 
 
 # ---- prompts ----
@@ -159,8 +243,9 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(m, dict):
             raise ApiError(f"'{where}' must be an object, got {_type_name(m)}", param=where)
         role = m.get("role")
-        if role not in ROLES:
-            raise ApiError(f"'{where}.role' is {role!r}; expected one of {', '.join(ROLES)}", param=f"{where}.role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise ApiError(f"'{where}.role' is {_short(role)}; expected one of {', '.join(ROLES)}",
+                           param=f"{where}.role")
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text
             texts = []
@@ -200,7 +285,7 @@ def check_token_ids(ids, vocab_size: int, param: str) -> list[int]:
         raise ApiError(f"'{param}' must be an array of token ids, got {_type_name(ids)}", param=param)
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise ApiError(f"'{param}' holds {t!r}; token ids are integers in [0, {vocab_size})", param=param)
+            raise ApiError(f"'{param}' holds {_short(t)}; token ids are integers in [0, {vocab_size})", param=param)
     return ids
 
 

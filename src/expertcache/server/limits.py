@@ -1,0 +1,29 @@
+"""Limits on what one request may ask of the server: the size of its body, read as it arrives so
+that a body over the limit is refused (413) without being held in memory."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from .protocol import ApiError
+
+MAX_BODY_BYTES = 8 * 2**20  # the default of --max-body-bytes
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(f"the request body is larger than this server's limit of {limit} bytes (--max-body-bytes)",
+                    status=413, code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, or 413 as soon as its declared length or the bytes received pass `limit`."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
