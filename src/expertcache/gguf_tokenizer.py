@@ -1,0 +1,237 @@
+"""A `tokenizers.Tokenizer` built from a GGUF file's `tokenizer.ggml.*` metadata that gives the
+token ids llama.cpp gives (src/llama-vocab.cpp is the reference this follows):
+
+- 'gpt2': byte-level BPE. The text is split by the regexes llama.cpp uses for the file's
+  `tokenizer.ggml.pre`, applied one after another, then merged by `tokenizer.ggml.merges`.
+- 'llama': SentencePiece-style. llama.cpp merges adjacent pieces by the score of the merged
+  token (whatever algorithm trained the vocabulary), prefixes a space and writes spaces as '▁',
+  and falls back to <0xXX> byte tokens; that is BPE with merges ranked by score.
+- 'gemma4': BPE on raw UTF-8 with '▁' for spaces, split only at newlines, <0xXX> byte fallback.
+
+Control, unknown and user-defined tokens become added tokens, matched in the text before
+anything else as llama.cpp does; control and unknown ones are special (skipped when decoding).
+"""
+
+from __future__ import annotations
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from .errors import ExpertCacheError
+
+# tokenizer.ggml.token_type values (llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3 = _CONTRACTIONS + (r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                           r"|\s+(?!\S)|\s+")
+_QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN35 = _CONTRACTIONS + (r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                           r"|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?:" + _CONTRACTIONS[3:-1]
+          + r")?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?:" + _CONTRACTIONS[3:-1]
+          + r")?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DEEPSEEK3 = [r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
+              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
+
+# tokenizer.ggml.pre -> (regexes applied in turn, ignore_merges, add_bos default), as in llama.cpp.
+PRE_TOKENIZERS: dict[str, tuple[list[str], bool, bool]] = {
+    "default": ([r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"], False, False),
+    **{k: ([_GPT2], False, False) for k in ("gpt-2", "phi-2", "olmo", "mpt", "jais", "trillion", "exaone4",
+                                            "granite-docling", "gigachat", "mellum", "a.x-4.0")},
+    **{k: ([_LLAMA3], True, True) for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1",
+                                            "pixtral", "midm-2.0", "lfm2")},
+    **{k: ([_LLAMA3], False, False) for k in ("dbrx", "smaug-bpe")},
+    **{k: ([_QWEN2], False, False) for k in ("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan",
+                                             "solar-open")},
+    "qwen35": ([_QWEN35], False, False),
+    **{k: ([r"\p{N}", _GPT2], False, False) for k in ("starcoder", "refact", "command-r", "smollm",
+                                                      "codeshell", "exaone", "minerva-7b")},
+    **{k: ([_GPT4O], False, False) for k in ("gpt-4o", "llama4", "minimax-m2")},
+    **{k: ([_LLAMA3], False, False) for k in ("glm4", "chatglm-bpe")},  # CHATGLM4 has llama3's regex
+    **{k: (_DEEPSEEK3, False, False) for k in ("deepseek-v3", "hunyuan-dense")},
+}
+_GEMMA4_SPLIT = r"[^\n]+|[\n]+"
+
+# Token texts llama.cpp makes control tokens whatever their stored type (end of turn and the like).
+_CONTROL_BY_TEXT = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
+    "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>", "<|eom_id|>", "<|return|>", "<|call|>",
+    "<|flush|>", "<|calls|>", "</s>", "[EOS]", "<eos>", "<turn|>", "<|tool_response>", "[e~[",
+}
+_EOT_TEXTS = ["<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
+              "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>"]
+_ALWAYS_RENDERED = {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}  # gpt-oss: user-defined
+
+_WAY_OUT = "give --tokenizer DIR with the model's tokenizer.json instead"
+
+
+def tokenizer_parts_from_gguf(metadata: dict, where: str) -> tuple[Tokenizer, dict]:
+    """The tokenizer of a GGUF model and the settings `expertcache.tokenizer.Tokenizer` reads from
+    tokenizer_config.json: bos_token, eos_token, add_bos_token, chat_template (plus eot_token,
+    pad_token, add_eos_token and eog_token_ids, the ids llama.cpp ends generation at).
+
+    `where` names the file in errors. An unsupported tokenizer is a one-line ExpertCacheError.
+    """
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind is None:
+        raise ExpertCacheError(f"{where}: metadata key 'tokenizer.ggml.model' is missing (no tokenizer "
+                               f"in this GGUF); {_WAY_OUT}")
+    tokens = _list(metadata, "tokenizer.ggml.tokens", where)
+    n = len(tokens)
+    types = metadata.get("tokenizer.ggml.token_type") or [NORMAL] * n
+    if len(types) < n:
+        raise ExpertCacheError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries, expected {n}")
+    types = [_llama_cpp_type(t, ty) for t, ty in zip(tokens, types)]
+    if "" in tokens:
+        tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # what llama.cpp names an empty token
+    vocab = _vocab(tokens, where)
+    pre = metadata.get("tokenizer.ggml.pre")
+    if kind == "gpt2":
+        if pre is None:
+            pre = "default"  # llama.cpp's fallback, with a warning
+        if pre not in PRE_TOKENIZERS:
+            raise ExpertCacheError(f"{where}: pre-tokenizer tokenizer.ggml.pre={pre!r} is not supported "
+                                   f"(supported: {', '.join(sorted(PRE_TOKENIZERS))}); {_WAY_OUT}")
+        regexes, ignore_merges, add_bos = PRE_TOKENIZERS[pre]
+        tok = _byte_level_bpe(vocab, _merges(metadata, vocab, where), regexes, ignore_merges)
+        defaults = {}  # llama.cpp's BOS=EOS=11 default for gpt2 vocabularies is an artefact; not kept
+    elif kind == "gemma4":
+        tok = _gemma4_bpe(vocab, _merges(metadata, vocab, where))
+        add_bos, defaults = True, {}
+    elif kind == "llama":
+        scores = metadata.get("tokenizer.ggml.scores") or [0.0] * n
+        add_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+        tok = _spm_bpe(tokens, vocab, scores, types, add_prefix)
+        add_bos, defaults = True, {"bos": 1, "eos": 2, "unknown": 0}
+    else:
+        raise ExpertCacheError(f"{where}: tokenizer model tokenizer.ggml.model={kind!r} is not supported "
+                               f"(supported: gpt2, llama, gemma4); {_WAY_OUT}")
+
+    ids = {}
+    for role in ("bos", "eos", "eot", "eom", "unknown", "padding"):
+        i = metadata.get(f"tokenizer.ggml.{role}_token_id", defaults.get(role))
+        ids[role] = i if i is not None and 0 <= i < n else None
+    if ids["eot"] is None:
+        ids["eot"] = next((vocab[t] for t in _EOT_TEXTS if t in vocab), None)
+    if kind != "gemma4":
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    name = str(metadata.get("general.name", "")).lower()
+    _add_special_tokens(tok, tokens, types, phi3="phi-3" in name or "phi3" in name)
+    if add_eos and ids["eos"] is not None:
+        eos = tokens[ids["eos"]]
+        tok.post_processor = processors.TemplateProcessing(single=f"$A:0 {eos}:0", pair=f"$A:0 $B:1 {eos}:1",
+                                                           special_tokens=[(eos, ids["eos"])])
+    eog = sorted({vocab[t] for t in _CONTROL_BY_TEXT if t in vocab} | {i for r, i in ids.items()
+                                                                        if r in ("eos", "eot", "eom") and i is not None})
+    text = lambda role: tokens[ids[role]] if ids[role] is not None else None  # noqa: E731
+    cfg = {
+        "bos_token": text("bos"), "eos_token": text("eos"), "eot_token": text("eot"), "pad_token": text("padding"),
+        "add_bos_token": add_bos and ids["bos"] is not None, "add_eos_token": add_eos,
+        "chat_template": _chat_template(metadata), "eog_token_ids": eog,
+    }
+    return tok, cfg
+
+
+def _list(metadata: dict, key: str, where: str) -> list:
+    value = metadata.get(key)
+    if not isinstance(value, list) or not value:
+        raise ExpertCacheError(f"{where}: metadata key {key!r} is missing or empty, expected the token list")
+    return value
+
+
+def _llama_cpp_type(text: str, stored: int) -> int:
+    """The type llama.cpp gives a token: end-of-turn texts are control tokens whatever was stored."""
+    if text in _ALWAYS_RENDERED:
+        return USER_DEFINED
+    if text in _CONTROL_BY_TEXT and stored != CONTROL:
+        return CONTROL
+    return stored
+
+
+def _vocab(tokens: list[str], where: str) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if t in vocab:
+            raise ExpertCacheError(f"{where}: token {t!r} appears twice in tokenizer.ggml.tokens "
+                                   f"(ids {vocab[t]} and {i})")
+        vocab[t] = i
+    return vocab
+
+
+def _merges(metadata: dict, vocab: dict[str, int], where: str) -> list[tuple[str, str]]:
+    """Merge pairs in rank order. A pair whose parts or result are not tokens can never yield a
+    token in llama.cpp either; `tokenizers` refuses them, so they are dropped (ranks keep their order)."""
+    out = []
+    for m in _list(metadata, "tokenizer.ggml.merges", where):
+        cut = m.find(" ", 1)  # as llama.cpp: the first space after the first character
+        if cut < 0:
+            continue
+        a, b = m[:cut], m[cut + 1:]
+        if a in vocab and b in vocab and a + b in vocab:
+            out.append((a, b))
+    return out
+
+
+def _byte_level_bpe(vocab, merges, regexes: list[str], ignore_merges: bool) -> Tokenizer:
+    tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _gemma4_bpe(vocab, merges) -> Tokenizer:
+    # llama.cpp takes a whole newline run as one token when it is one; ignore_merges does that
+    # for every piece, which differs only for a line that is itself a token yet merges otherwise.
+    tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, ignore_merges=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(_GEMMA4_SPLIT), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
+def _spm_bpe(tokens, vocab, scores, types, add_prefix: bool) -> Tokenizer:
+    # llama.cpp merges the adjacent pair whose concatenation is the highest-scored token: every
+    # split of a token into two tokens is a merge, ranked by the merged token's score.
+    ranked = []
+    for i, t in enumerate(tokens):
+        if types[i] == BYTE or len(t) < 2:
+            continue
+        for k in range(1, len(t)):
+            a, b = t[:k], t[k:]
+            if a in vocab and b in vocab:
+                ranked.append((-scores[i], i, k, a, b))
+    ranked.sort()
+    unk = next((t for t, ty in zip(tokens, types) if ty == UNKNOWN), None)
+    tok = Tokenizer(models.BPE(vocab, [(a, b) for *_, a, b in ranked], unk_token=unk, byte_fallback=True,
+                               fuse_unk=True))
+    steps = [normalizers.Prepend("▁")] if add_prefix else []
+    tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
+    dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(dec + ([decoders.Strip(" ", 1, 0)] if add_prefix else []))
+    return tok
+
+
+def _add_special_tokens(tok: Tokenizer, tokens, types, phi3: bool) -> None:
+    """Control, unknown and user-defined tokens are found in the raw text before the model runs;
+    Phi-3 models strip the whitespace after a special token (llama.cpp keys that on the name)."""
+    special, user = [], []
+    for t, ty in zip(tokens, types):
+        if ty in (CONTROL, UNKNOWN):
+            rstrip = phi3 and t not in ("<unk>", "<s>", "<|endoftext|>")
+            special.append(AddedToken(t, special=True, normalized=False, rstrip=rstrip))
+        elif ty == USER_DEFINED:
+            user.append(AddedToken(t, special=False, normalized=False, rstrip=phi3 and t == "</s>"))
+    tok.add_special_tokens(special)
+    tok.add_tokens(user)
+
+
+def _chat_template(metadata: dict) -> str | None:
+    template = metadata.get("tokenizer.chat_template")
+    if isinstance(template, str):
+        return template
+    return None

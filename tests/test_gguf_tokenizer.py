@@ -1,0 +1,151 @@
+"""Tokenizers built from GGUF metadata against references written by others: the bundled model's
+tokenizer.json (Hugging Face tokenizers) written into GGUF metadata the way llama.cpp's converter
+writes it, Hugging Face pre-tokenizers of the model families each llama.cpp pre-tokenizer stands
+for, and token ids recorded from llama.cpp itself (tests/fixtures/gguf)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+from expertcache.errors import ExpertCacheError
+from expertcache.gguf_tokenizer import CONTROL, NORMAL, USER_DEFINED, tokenizer_parts_from_gguf
+
+ASSETS = Path(__file__).resolve().parents[1] / "src" / "expertcache" / "assets"
+BUNDLED = ASSETS / "tiny-qwen3-moe"
+HELDOUT = (ASSETS / "heldout.txt").read_text(encoding="utf-8")
+TRICKY = ("Hello world! I've been 'told he's there, 'RE you sure? 3 33 333 3333 33333 3.14 "
+          "\n \n\n \t\t\n   x  \n🚀 (normal) 😶‍🌫️ ✅ 🦙🦙 ?我想在apple工作1314151天～ ------======= нещо на Български "
+          "''''''```````\"\"\"\"......!!!!!!?????? We'Ve a'lL ÀÉÎ café naïve nai\u0308ve\r\nend  "
+          "नमस्ते दुनिया ภาษาไทย x\u0301\u0302y 12345678 ½ ٣٤ 𝟘𝟙 \u00a0\u2003\u3000 tab\there\r\r\n\n")
+
+
+def converter_metadata(tok_json: Path, pre: str) -> dict:
+    """GGUF tokenizer metadata as llama.cpp's convert_hf_to_gguf.py writes it for a BPE
+    tokenizer: one token per id, added tokens typed CONTROL (special) or USER_DEFINED, ids with
+    no token filled with [PAD{i}], merges as "a b" strings."""
+    tok = Tokenizer.from_file(str(tok_json))
+    data = json.loads(tok_json.read_text(encoding="utf-8"))
+    vocab = tok.get_vocab(with_added_tokens=True)
+    reverse = {i: t for t, i in vocab.items()}
+    added = tok.get_added_tokens_decoder()
+    tokens, types = [], []
+    for i in range(max(reverse) + 1):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(5)
+        elif i in added:
+            tokens.append(reverse[i])
+            types.append(CONTROL if added[i].special else USER_DEFINED)
+        else:
+            tokens.append(reverse[i])
+            types.append(NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    cfg = json.loads((tok_json.parent / "tokenizer_config.json").read_text(encoding="utf-8"))
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.eos_token_id": vocab[cfg["eos_token"]],
+            "tokenizer.ggml.padding_token_id": vocab[cfg["pad_token"]],
+            "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": cfg["chat_template"]}
+    return meta
+
+
+def with_pre_tokenizer(tok_json: Path, split_regex: str) -> Tokenizer:
+    """The bundled vocabulary and merges under another family's tokenizer.json pre-tokenizer."""
+    tok = Tokenizer.from_file(str(tok_json))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split_regex), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return tok
+
+
+def test_bundled_tokenizer_round_trips_through_gguf_metadata():
+    ref = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
+    # The bundled tokenizer.json uses the GPT-2 split (ByteLevel with its regex): llama.cpp's 'gpt-2'.
+    tok, cfg = tokenizer_parts_from_gguf(converter_metadata(BUNDLED / "tokenizer.json", "gpt-2"), "m.gguf")
+    for text in (HELDOUT, TRICKY, "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n", ""):
+        want = ref.encode(text, add_special_tokens=False).ids
+        got = tok.encode(text, add_special_tokens=False).ids
+        assert got == want
+    ids = tok.encode(TRICKY + "<|im_end|>").ids
+    assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+    assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+    assert cfg["eos_token"] == "<|endoftext|>" and cfg["pad_token"] == "<|endoftext|>"
+    assert cfg["bos_token"] is None and cfg["add_bos_token"] is False
+    assert cfg["eot_token"] == "<|im_end|>"
+    assert cfg["eog_token_ids"] == [0, 2]
+    assert cfg["chat_template"].startswith("{% for message in messages %}")
+
+
+# The regexes of these families' own tokenizer.json files, as llama.cpp quotes them beside its
+# adaptations (which avoid (?i:...) for std::regex).
+FAMILY_REGEX = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+             r"|\s+(?!\S)|\s+",
+    "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "olmo": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+}
+
+
+@pytest.mark.parametrize("pre", sorted(FAMILY_REGEX))
+def test_pre_tokenizers_match_the_families_tokenizer_json(pre):
+    ref = with_pre_tokenizer(BUNDLED / "tokenizer.json", FAMILY_REGEX[pre])
+    tok, cfg = tokenizer_parts_from_gguf(converter_metadata(BUNDLED / "tokenizer.json", pre), "m.gguf")
+    for text in (HELDOUT[:60000], TRICKY):
+        assert tok.encode(text, add_special_tokens=False).ids == ref.encode(text, add_special_tokens=False).ids
+    # The small vocabulary hides most splits inside byte tokens: compare the pieces themselves.
+    for line in TRICKY.split("\n") + [TRICKY]:
+        assert tok.pre_tokenizer.pre_tokenize_str(line) == ref.pre_tokenizer.pre_tokenize_str(line), line
+
+
+def test_llama3_family_defaults_to_adding_bos():
+    meta = converter_metadata(BUNDLED / "tokenizer.json", "llama-bpe")
+    del meta["tokenizer.ggml.add_bos_token"]
+    meta["tokenizer.ggml.bos_token_id"] = 1
+    _, cfg = tokenizer_parts_from_gguf(meta, "m.gguf")
+    assert cfg["add_bos_token"] is True and cfg["bos_token"] == "<|im_start|>"
+
+
+def test_user_defined_tokens_are_matched_but_not_special():
+    meta = converter_metadata(BUNDLED / "tokenizer.json", "gpt-2")
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "<think>"]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], USER_DEFINED]
+    tok, _ = tokenizer_parts_from_gguf(meta, "m.gguf")
+    think = len(meta["tokenizer.ggml.tokens"]) - 1
+    ids = tok.encode("a<think>b<|im_end|>").ids
+    assert think in ids and 2 in ids
+    assert tok.decode(ids, skip_special_tokens=True) == "a<think>b"
+
+
+def one_line(excinfo, *needles):
+    msg = str(excinfo.value)
+    assert "\n" not in msg, msg
+    for n in needles:
+        assert n in msg, msg
+
+
+def test_errors_name_the_file_and_the_way_out():
+    meta = converter_metadata(BUNDLED / "tokenizer.json", "kimi-k2")
+    with pytest.raises(ExpertCacheError) as e:
+        tokenizer_parts_from_gguf(meta, "m.gguf")
+    one_line(e, "m.gguf", "'kimi-k2'", "--tokenizer DIR")
+    meta["tokenizer.ggml.model"] = "t5"
+    with pytest.raises(ExpertCacheError) as e:
+        tokenizer_parts_from_gguf(meta, "m.gguf")
+    one_line(e, "m.gguf", "'t5'", "--tokenizer DIR")
+    with pytest.raises(ExpertCacheError) as e:
+        tokenizer_parts_from_gguf({}, "m.gguf")
+    one_line(e, "m.gguf", "tokenizer.ggml.model", "--tokenizer DIR")
+    meta = converter_metadata(BUNDLED / "tokenizer.json", "qwen2")
+    again = meta["tokenizer.ggml.tokens"][100]
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], again]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], NORMAL]
+    with pytest.raises(ExpertCacheError) as e:
+        tokenizer_parts_from_gguf(meta, "m.gguf")
+    one_line(e, "m.gguf", repr(again), "twice", "ids 100 and")
