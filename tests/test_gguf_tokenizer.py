@@ -149,3 +149,17 @@ def test_errors_name_the_file_and_the_way_out():
     with pytest.raises(ExpertCacheError) as e:
         tokenizer_parts_from_gguf(meta, "m.gguf")
     one_line(e, "m.gguf", repr(again), "twice", "ids 100 and")
+
+
+def test_tokenizer_from_parts_matches_the_directory_tokenizer():
+    from expertcache.tokenizer import Tokenizer as ECTokenizer
+
+    ref = ECTokenizer(BUNDLED)
+    got = ECTokenizer.from_parts(*tokenizer_parts_from_gguf(
+        converter_metadata(BUNDLED / "tokenizer.json", "gpt-2"), "m.gguf"))
+    messages = [{"role": "user", "content": "What is 12 * 34?"}, {"role": "assistant", "content": "408."},
+                {"role": "user", "content": TRICKY}]
+    assert got.render_chat(messages) == ref.render_chat(messages)
+    assert got.encode_chat(messages) == ref.encode_chat(messages)
+    assert got.encode(HELDOUT[:5000]) == ref.encode(HELDOUT[:5000])
+    assert (got.eos_id, got.bos_id, got.add_bos, got.vocab_size) == (ref.eos_id, ref.bos_id, ref.add_bos, ref.vocab_size)

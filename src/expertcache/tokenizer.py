@@ -43,6 +43,21 @@ class Tokenizer:
                 cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ExpertCacheError(f"{cfg_path}: not valid JSON: {e}") from None
+        jinja_path = d / "chat_template.jinja"
+        if jinja_path.exists():
+            cfg = {**cfg, "chat_template": jinja_path.read_text(encoding="utf-8")}
+        self._configure(cfg)
+
+    @classmethod
+    def from_parts(cls, tok: HFTokenizer, cfg: dict) -> Tokenizer:
+        """A tokenizer from a built `tokenizers.Tokenizer` and tokenizer_config.json's fields
+        (bos_token, eos_token, add_bos_token, chat_template), as a GGUF file provides them."""
+        self = cls.__new__(cls)
+        self.tok = tok
+        self._configure(cfg)
+        return self
+
+    def _configure(self, cfg: dict) -> None:
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.bos_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
@@ -52,9 +67,6 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: use the default one
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
-        jinja_path = d / "chat_template.jinja"
-        if jinja_path.exists():
-            template = jinja_path.read_text(encoding="utf-8")
         self.chat_template = template
         self._compiled = None
 
