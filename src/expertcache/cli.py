@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from .commands.common import Parser
+from .commands.args import check_device
 from .errors import ExpertCacheError
 
 # Each module has `register(subparsers)`.
@@ -24,6 +25,8 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "device", None) is not None:
+            check_device(args.device)  # before any command loads a model onto it
         return args.func(args) or 0
     except ExpertCacheError as e:
         print(f"expertcache: error: {e}", file=sys.stderr)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from ..errors import ExpertCacheError
 from ..sampling import SamplingParams
+from .args import finite_float, seed
 from .common import add_cache_flags, add_model_flags, load_model, nonneg_int, peak_rss_bytes, read_text_file
 
 
@@ -15,7 +17,10 @@ def cmd_run(args) -> int:
         raise ExpertCacheError("give exactly one of -p/--prompt, -f/--file or --chat")
     prompt = read_text_file(args.file) if args.file else args.prompt
     SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)  # bad values fail before loading
+    _check_tokenizer_file(args.model)
     model = load_model(args)
+    if model.tokenizer is None:
+        raise ExpertCacheError(f"{model.path}: `run` needs a tokenizer, and tokenizer.json is missing")
     gen = dict(max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                min_p=args.min_p, seed=args.seed, stop=args.stop, ubatch=args.ubatch, ignore_eos=args.ignore_eos)
     if args.chat:
@@ -36,6 +41,15 @@ def cmd_run(args) -> int:
         print(f"[prompt {res.prompt_tokens} tok, {res.prompt_tps:.1f} tok/s | "
               f"generated {len(res.token_ids)} tok, {res.gen_tps:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def _check_tokenizer_file(model_dir: str | None) -> None:
+    """Before loading: a model directory without tokenizer.json cannot take a text prompt."""
+    if model_dir is None:
+        return
+    d = Path(model_dir)
+    if d.is_dir() and (d / "config.json").exists() and not (d / "tokenizer.json").exists():
+        raise ExpertCacheError(f"{d}: `run` needs a tokenizer, and {d / 'tokenizer.json'} is missing")
 
 
 def _result_json(model, res) -> dict:
@@ -129,11 +143,11 @@ def register(sub) -> None:
     r.add_argument("--chat", action="store_true", help="chat: one user message per line on stdin")
     r.add_argument("--system", help="system message for --chat")
     r.add_argument("-n", "--n-predict", type=nonneg_int, default=128, help="tokens to generate (default: 128)")
-    r.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    r.add_argument("--temp", type=finite_float, default=0.0, help="temperature; 0 = greedy (default)")
     r.add_argument("--top-k", type=nonneg_int, default=0)
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--min-p", type=float, default=0.0)
-    r.add_argument("--seed", type=int)
+    r.add_argument("--top-p", type=finite_float, default=1.0)
+    r.add_argument("--min-p", type=finite_float, default=0.0)
+    r.add_argument("--seed", type=seed, help="sampling seed, 64 bits (default: a random one)")
     r.add_argument("--stop", action="append", help="stop string (repeatable)")
     r.add_argument("--ignore-eos", action="store_true")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")

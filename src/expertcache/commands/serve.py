@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import sys
 
 from ..errors import ExpertCacheError
+from ..server.limits import MAX_BODY_BYTES
+from .args import byte_count
 from .common import add_cache_flags, add_model_flags, load_model, positive_int
 
 
@@ -30,19 +33,26 @@ def cmd_serve(args) -> int:
         import uvicorn
 
         from ..server.app import create_app
+        from ..server.auth import read_api_key
     except ImportError as e:
         raise ExpertCacheError(f"the server needs the [server] extra ({e.name} is missing): "
                                "pip install 'expertcache[server]'") from None
     if not 0 <= args.port <= 65535:
         raise ExpertCacheError(f"--port {args.port} must be in 0..65535")
+    api_key = read_api_key(args.api_key, args.api_key_file)
     sock = _listen(args.host, args.port)  # before loading: a busy port fails fast
+    host, port = sock.getsockname()[:2]
+    if api_key is None and not ipaddress.ip_address(host.split("%")[0]).is_loopback:
+        print(f"expertcache: warning: listening on {host}, beyond this machine, without an API key: "
+              "anyone who can reach the port can use the model (give --api-key or --api-key-file)",
+              file=sys.stderr, flush=True)
     model = load_model(args)
     app = create_app(model, model_id=args.alias, n_slots=args.parallel, cache_prompt=not args.no_cache_prompt,
-                     ubatch=args.ubatch)
-    host, port = sock.getsockname()[:2]
+                     ubatch=args.ubatch, api_key=api_key, max_body_bytes=args.max_body_bytes)
     print(f"expertcache: serving '{app.state.model_id}' on http://{host}:{port} "
           f"({args.parallel} slot(s) of {model.ctx_size} tokens, prompt cache "
-          f"{'off' if args.no_cache_prompt else 'on'}, cache mode {model.telemetry().get('mode')})",
+          f"{'off' if args.no_cache_prompt else 'on'}, cache mode {model.telemetry().get('mode')}, "
+          f"API key {'required' if api_key else 'off'})",
           file=sys.stderr, flush=True)
     # On Ctrl-C, streams still open get a few seconds before the worker cancels them.
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
@@ -62,6 +72,12 @@ def register(sub) -> None:
     p.add_argument("--no-cache-prompt", action="store_true",
                    help="do not reuse a slot's KV state for a common prompt prefix")
     p.add_argument("-a", "--alias", help="model id the API reports (default: the model directory's name)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: none)")
+    p.add_argument("--api-key-file", metavar="PATH", help="read the API key from the first line of a file")
+    p.add_argument("--max-body-bytes", type=byte_count, default=MAX_BODY_BYTES, metavar="N",
+                   help=f"largest request body; larger ones get 413 (default: {MAX_BODY_BYTES // 2**20}MiB; "
+                        "units KiB, MiB, GiB allowed)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default: warning)")
     p.set_defaults(func=cmd_serve)

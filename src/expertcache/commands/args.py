@@ -1,0 +1,74 @@
+"""Checks of command-line values that argparse's own types let through: floats that are NaN or
+infinite, seeds beyond 64 bits, and devices that do not exist or are not available here. Each
+failure is one line naming the flag, the value and what was expected."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from ..errors import ExpertCacheError
+from ..sampling import SEED_MAX, SEED_MIN
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a float that is neither NaN nor infinite."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return v
+
+
+def seed(text: str) -> int:
+    """An argparse type: an integer the sampler's generator takes (64 bits, signed or unsigned)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if not SEED_MIN <= v <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"{text} is beyond 64 bits: a seed is in [{SEED_MIN}, {SEED_MAX}]")
+    return v
+
+
+def byte_count(text: str) -> int:
+    """An argparse type: a positive number of bytes, plain or with a unit (512KiB, 8MiB, 1MB)."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    t = text.strip().lower()
+    scale = 1
+    for unit, n in units.items():
+        if t.endswith(unit):
+            t, scale = t[: -len(unit)].strip(), n
+            break
+    if not t.isdigit() or int(t) * scale < 1:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected a positive number of bytes "
+                                         "(e.g. 8388608, 512KiB, 8MiB)")
+    return int(t) * scale
+
+
+def check_device(name: str) -> None:
+    """Raise an ExpertCacheError unless `name` is a torch device that exists and can be used here."""
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ExpertCacheError(f"--device {name!r} is not a device: expected cpu, cuda, cuda:N, mps, xpu") from None
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ExpertCacheError(f"--device {name!r} is not available: {why}")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise ExpertCacheError(f"--device {name!r} does not exist: there are {n} CUDA device(s), 0..{n - 1}")
+        return
+    backend = {"mps": getattr(torch.backends, "mps", None), "xpu": getattr(torch, "xpu", None)}.get(dev.type)
+    if backend is None:
+        raise ExpertCacheError(f"--device {name!r}: the {dev.type} device type is not supported "
+                               "(expected cpu, cuda, mps or xpu)")
+    if not backend.is_available():
+        raise ExpertCacheError(f"--device {name!r} is not available on this machine")
