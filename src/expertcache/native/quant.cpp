@@ -1,0 +1,518 @@
+// One-row products straight from ggml quantized blocks (GGUF experts), for decode.
+// Loaded by expertcache/kernels/quant_native.py.
+//
+// A weight is decoded exactly as gguf-py (and ggml's reference dequantization) decodes it: fp16
+// scales widened to fp32, the super-block scale times the sub-block scale rounded to fp32, times
+// the quant, minus the minimum, each step rounded on its own. This file is built with
+// -ffp-contract=off so that the compiler never fuses those steps; `dequantize` below therefore
+// equals gguf.quants.dequantize bit for bit, and the tests hold it to that.
+//
+// A row's product decodes one block at a time into a small buffer and multiplies it into 16 fp32
+// lanes, lane j taking the weights at k = j mod 16 in increasing k, then sums the lanes in a fixed
+// order. Every output element is one row, summed by one thread: a result depends only on the row
+// and the input, never on how rows are split across threads or how many experts a call holds.
+// With AVX2 and FMA the lanes are two 8-wide registers updated by fused multiply-adds (and the
+// hot block types decode with intrinsics); elsewhere, or with EXPERTCACHE_PORTABLE, the lanes are a
+// plain array the compiler vectorises as a separate multiply and add.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(EXPERTCACHE_PORTABLE)
+#define EXPERTCACHE_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// ggml's type ids (enum ggml_type) for the types decoded here.
+enum Type : int64_t {
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11,
+  Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30,
+};
+
+const int8_t kIQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+inline float h2f(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return static_cast<float>(c10::Half(v, c10::Half::from_bits()));
+}
+
+inline float bf2f(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// ---- block decoders: bytes of one block -> its weights, exactly as gguf-py -----------------
+
+void deq_q8_0(const uint8_t* b, float* y) {
+  const float d = h2f(b);
+  for (int i = 0; i < 32; ++i) y[i] = static_cast<float>(static_cast<int8_t>(b[2 + i])) * d;
+}
+
+void deq_q4_0(const uint8_t* b, float* y) {
+  const float d = h2f(b);
+  for (int l = 0; l < 16; ++l) {
+    y[l] = d * static_cast<float>((b[2 + l] & 15) - 8);
+    y[l + 16] = d * static_cast<float>((b[2 + l] >> 4) - 8);
+  }
+}
+
+void deq_q4_1(const uint8_t* b, float* y) {
+  const float d = h2f(b), m = h2f(b + 2);
+  for (int l = 0; l < 16; ++l) {
+    y[l] = d * static_cast<float>(b[4 + l] & 15) + m;
+    y[l + 16] = d * static_cast<float>(b[4 + l] >> 4) + m;
+  }
+}
+
+inline uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+void deq_q5_0(const uint8_t* b, float* y) {
+  const float d = h2f(b);
+  const uint32_t qh = u32(b + 2);
+  for (int l = 0; l < 16; ++l) {
+    const int lo = (b[6 + l] & 15) | (((qh >> l) & 1) << 4), hi = (b[6 + l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+    y[l] = d * static_cast<float>(lo - 16);
+    y[l + 16] = d * static_cast<float>(hi - 16);
+  }
+}
+
+void deq_q5_1(const uint8_t* b, float* y) {
+  const float d = h2f(b), m = h2f(b + 2);
+  const uint32_t qh = u32(b + 4);
+  for (int l = 0; l < 16; ++l) {
+    const int lo = (b[8 + l] & 15) | (((qh >> l) & 1) << 4), hi = (b[8 + l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+    y[l] = d * static_cast<float>(lo) + m;
+    y[l + 16] = d * static_cast<float>(hi) + m;
+  }
+}
+
+void deq_q2_k(const uint8_t* b, float* y) {
+  const uint8_t *sc = b, *qs = b + 16;
+  const float d = h2f(b + 80), dmin = h2f(b + 82);
+  for (int j = 0; j < 16; ++j) {  // 16 sub-blocks of 16 weights
+    const float dl = d * static_cast<float>(sc[j] & 15), ml = dmin * static_cast<float>(sc[j] >> 4);
+    for (int i = 0; i < 16; ++i) {
+      const int w = j * 16 + i, h = w / 128, s = (w / 32) % 4, l = w % 32;
+      y[w] = dl * static_cast<float>((qs[h * 32 + l] >> (2 * s)) & 3) - ml;
+    }
+  }
+}
+
+void deq_q3_k(const uint8_t* b, float* y) {
+  const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+  const float d = h2f(b + 108);
+  for (int j = 0; j < 16; ++j) {
+    const int low = j < 8 ? (sc[j] & 15) : (sc[j - 8] >> 4), high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+    const float dl = d * static_cast<float>((low | (high << 4)) - 32);
+    for (int i = 0; i < 16; ++i) {
+      const int w = j * 16 + i, h = w / 128, s = (w / 32) % 4, l = w % 32;
+      const int q = ((qs[h * 32 + l] >> (2 * s)) & 3) - (((hmask[l] >> (w / 32)) & 1) ? 0 : 4);
+      y[w] = dl * static_cast<float>(q);
+    }
+  }
+}
+
+// Q4_K/Q5_K: the 6-bit scale and minimum of sub-block j from the twelve scale bytes.
+inline void k_scale(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+void deq_q4_k(const uint8_t* b, float* y) {
+  const float d = h2f(b), dmin = h2f(b + 2);
+  const uint8_t* qs = b + 16;
+  for (int j = 0; j < 8; ++j) {
+    int sc, m;
+    k_scale(b + 4, j, sc, m);
+    const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
+    const uint8_t* q = qs + (j / 2) * 32;
+    const int shift = (j % 2) * 4;
+    for (int l = 0; l < 32; ++l) y[j * 32 + l] = dl * static_cast<float>((q[l] >> shift) & 15) - ml;
+  }
+}
+
+void deq_q5_k(const uint8_t* b, float* y) {
+  const float d = h2f(b), dmin = h2f(b + 2);
+  const uint8_t *qh = b + 16, *qs = b + 48;
+  for (int j = 0; j < 8; ++j) {
+    int sc, m;
+    k_scale(b + 4, j, sc, m);
+    const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
+    const uint8_t* q = qs + (j / 2) * 32;
+    const int shift = (j % 2) * 4;
+    for (int l = 0; l < 32; ++l) {
+      const int v = ((q[l] >> shift) & 15) | (((qh[l] >> j) & 1) << 4);
+      y[j * 32 + l] = dl * static_cast<float>(v) - ml;
+    }
+  }
+}
+
+void deq_q6_k(const uint8_t* b, float* y) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = h2f(b + 208);
+  for (int j = 0; j < 16; ++j) {
+    const float dl = d * static_cast<float>(sc[j]);
+    for (int i = 0; i < 16; ++i) {
+      const int w = j * 16 + i, h = w / 128, r = w % 128;
+      const int lo = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 15, hi = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+      y[w] = dl * static_cast<float>((lo | (hi << 4)) - 32);
+    }
+  }
+}
+
+void deq_iq4_nl(const uint8_t* b, float* y) {
+  const float d = h2f(b);
+  for (int l = 0; l < 16; ++l) {
+    y[l] = d * static_cast<float>(kIQ4[b[2 + l] & 15]);
+    y[l + 16] = d * static_cast<float>(kIQ4[b[2 + l] >> 4]);
+  }
+}
+
+void deq_iq4_xs(const uint8_t* b, float* y) {
+  const float d = h2f(b);
+  const int sh = b[2] | (b[3] << 8);
+  const uint8_t *sl = b + 4, *qs = b + 8;
+  for (int j = 0; j < 8; ++j) {
+    const int ls = ((sl[j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4);
+    const float dl = d * static_cast<float>(ls - 32);
+    for (int l = 0; l < 16; ++l) {
+      y[j * 32 + l] = dl * static_cast<float>(kIQ4[qs[j * 16 + l] & 15]);
+      y[j * 32 + 16 + l] = dl * static_cast<float>(kIQ4[qs[j * 16 + l] >> 4]);
+    }
+  }
+}
+
+// Float storage is decoded 32 weights at a time (a "block" here); a row of any length ends with
+// a partial group decoded weight by weight.
+inline float f2f(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
+}
+void deq_f32(const uint8_t* b, float* y) { std::memcpy(y, b, 32 * 4); }
+void deq_f16(const uint8_t* b, float* y) {
+  for (int i = 0; i < 32; ++i) y[i] = h2f(b + 2 * i);
+}
+void deq_bf16(const uint8_t* b, float* y) {
+  for (int i = 0; i < 32; ++i) y[i] = bf2f(b + 2 * i);
+}
+
+#if defined(EXPERTCACHE_AVX2)
+// The hot types decoded with intrinsics: the same two roundings per weight (mul, then sub).
+
+// 8 weights: dl * q - ml, q from 8 unsigned bytes.
+inline __m256 scale_u8(__m128i q8, __m256 dl, __m256 ml) {
+  return _mm256_sub_ps(_mm256_mul_ps(dl, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8))), ml);
+}
+
+void deq_q4_k_avx2(const uint8_t* b, float* y) {
+  const float d = h2f(b), dmin = h2f(b + 2);
+  const __m128i mask = _mm_set1_epi8(15);
+  for (int p = 0; p < 4; ++p) {  // pairs of sub-blocks share 32 bytes: low nibbles, then high
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + p * 32));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + p * 32 + 16));
+    for (int half = 0; half < 2; ++half) {
+      const int j = 2 * p + half;
+      int sc, m;
+      k_scale(b + 4, j, sc, m);
+      const __m256 dl = _mm256_set1_ps(d * static_cast<float>(sc)), ml = _mm256_set1_ps(dmin * static_cast<float>(m));
+      const __m128i a = half ? _mm_and_si128(_mm_srli_epi16(q0, 4), mask) : _mm_and_si128(q0, mask);
+      const __m128i c = half ? _mm_and_si128(_mm_srli_epi16(q1, 4), mask) : _mm_and_si128(q1, mask);
+      float* o = y + j * 32;
+      _mm256_storeu_ps(o, scale_u8(a, dl, ml));
+      _mm256_storeu_ps(o + 8, scale_u8(_mm_srli_si128(a, 8), dl, ml));
+      _mm256_storeu_ps(o + 16, scale_u8(c, dl, ml));
+      _mm256_storeu_ps(o + 24, scale_u8(_mm_srli_si128(c, 8), dl, ml));
+    }
+  }
+}
+
+void deq_q8_0_avx2(const uint8_t* b, float* y) {
+  const __m256 d = _mm256_set1_ps(h2f(b));
+  for (int i = 0; i < 32; i += 8) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + i));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+  }
+}
+
+void deq_q6_k_avx2(const uint8_t* b, float* y) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = h2f(b + 208);
+  const __m128i m4 = _mm_set1_epi8(15), m2 = _mm_set1_epi8(3), off = _mm_set1_epi8(32);
+  for (int h = 0; h < 2; ++h) {
+    for (int s = 0; s < 4; ++s) {  // 32 weights: w = h*128 + s*32 + l
+      const uint8_t* lp = ql + h * 64 + (s % 2) * 32;
+      const uint8_t* hp = qh + h * 32;
+      for (int g = 0; g < 2; ++g) {  // 16 weights at a time, one scale each
+        __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lp + g * 16));
+        lo = s < 2 ? _mm_and_si128(lo, m4) : _mm_and_si128(_mm_srli_epi16(lo, 4), m4);
+        __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(hp + g * 16));
+        hi = _mm_and_si128(_mm_srli_epi16(hi, 2 * s), m2);
+        const __m128i q = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), off);  // -32..31
+        const int w = h * 128 + s * 32 + g * 16;
+        const __m256 dl = _mm256_set1_ps(d * static_cast<float>(sc[w / 16]));
+        _mm256_storeu_ps(y + w, _mm256_mul_ps(dl, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+        _mm256_storeu_ps(y + w + 8, _mm256_mul_ps(dl, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))));
+      }
+    }
+  }
+}
+#endif
+
+using Decoder = void (*)(const uint8_t*, float*);
+
+struct Format {
+  const char* name;
+  int block;                       // weights per block
+  int bytes;                       // bytes per block
+  Decoder decode;
+  float (*one)(const uint8_t*) = nullptr;  // float types: one weight (rows of any length)
+};
+
+Format format_of(int64_t type) {
+  switch (type) {
+    case F32: return {"F32", 32, 128, deq_f32, f2f};
+    case F16: return {"F16", 32, 64, deq_f16, h2f};
+    case BF16: return {"BF16", 32, 64, deq_bf16, bf2f};
+#if defined(EXPERTCACHE_AVX2)
+    case Q8_0: return {"Q8_0", 32, 34, deq_q8_0_avx2};
+    case Q4_K: return {"Q4_K", 256, 144, deq_q4_k_avx2};
+    case Q6_K: return {"Q6_K", 256, 210, deq_q6_k_avx2};
+#else
+    case Q8_0: return {"Q8_0", 32, 34, deq_q8_0};
+    case Q4_K: return {"Q4_K", 256, 144, deq_q4_k};
+    case Q6_K: return {"Q6_K", 256, 210, deq_q6_k};
+#endif
+    case Q4_0: return {"Q4_0", 32, 18, deq_q4_0};
+    case Q4_1: return {"Q4_1", 32, 20, deq_q4_1};
+    case Q5_0: return {"Q5_0", 32, 22, deq_q5_0};
+    case Q5_1: return {"Q5_1", 32, 24, deq_q5_1};
+    case Q2_K: return {"Q2_K", 256, 84, deq_q2_k};
+    case Q3_K: return {"Q3_K", 256, 110, deq_q3_k};
+    case Q5_K: return {"Q5_K", 256, 176, deq_q5_k};
+    case IQ4_NL: return {"IQ4_NL", 32, 18, deq_iq4_nl};
+    case IQ4_XS: return {"IQ4_XS", 256, 136, deq_iq4_xs};
+    default: TORCH_CHECK(false, "ggml type ", type, " has no native kernel");
+  }
+}
+
+// ---- the fixed-order 16-lane sum ---------------------------------------------------------
+
+struct Lanes {
+#if defined(EXPERTCACHE_AVX2)
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  // n a multiple of 16.
+  void add(const float* w, const float* x, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a);
+      b = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), b);
+    }
+  }
+  void add_tail(const float* w, const float* x, int64_t n) {  // n < 16: lanes 0..n-1
+    alignas(32) float lw[16] = {0}, lx[16] = {0};
+    std::memcpy(lw, w, n * 4);
+    std::memcpy(lx, x, n * 4);
+    add(lw, lx, 16);
+  }
+  float sum() const {
+    alignas(32) float l[16];
+    _mm256_store_ps(l, a);
+    _mm256_store_ps(l + 8, b);
+    float s = 0.f;
+    for (int i = 0; i < 16; ++i) s += l[i];
+    return s;
+  }
+#else
+  float l[16] = {0};
+  void add(const float* w, const float* x, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16)
+      for (int j = 0; j < 16; ++j) l[j] += w[i + j] * x[i + j];
+  }
+  void add_tail(const float* w, const float* x, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) l[j] += w[j] * x[j];
+  }
+  float sum() const {
+    float s = 0.f;
+    for (int i = 0; i < 16; ++i) s += l[i];
+    return s;
+  }
+#endif
+};
+
+// sum_k W[row, k] x[k] for one row of `fmt` blocks; K a whole number of blocks except for the
+// float types, whose last partial group is decoded weight by weight.
+float row_dot(const Format& fmt, const uint8_t* row, const float* x, int64_t K) {
+  alignas(32) float buf[256];
+  Lanes acc;
+  const int64_t full = K / fmt.block;
+  for (int64_t i = 0; i < full; ++i) {
+    fmt.decode(row + i * fmt.bytes, buf);
+    acc.add(buf, x + i * fmt.block, fmt.block);
+  }
+  const int64_t left = K - full * fmt.block;  // float types only
+  if (left) {
+    const int width = fmt.bytes / fmt.block;
+    const uint8_t* p = row + full * fmt.bytes;
+    for (int64_t k = 0; k < left; ++k) buf[k] = fmt.one(p + k * width);
+    int64_t k = 0;
+    for (; k + 16 <= left; k += 16) acc.add(buf + k, x + full * fmt.block + k, 16);
+    if (k < left) acc.add_tail(buf + k, x + full * fmt.block + k, left - k);
+  }
+  return acc.sum();
+}
+
+int64_t row_bytes(const Format& fmt, int64_t K) {
+  if (fmt.one) return K * (fmt.bytes / fmt.block);
+  TORCH_CHECK(K % fmt.block == 0, fmt.name, ": a row of ", K, " weights is not a whole number of blocks of ",
+              fmt.block);
+  return K / fmt.block * fmt.bytes;
+}
+
+void check_raw(const torch::Tensor& w, const Format& fmt, int64_t K, const char* what) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
+              what, ": expected a contiguous 2-D uint8 CPU tensor [rows, row bytes]");
+  TORCH_CHECK(w.size(1) == row_bytes(fmt, K), what, ": expected ", row_bytes(fmt, K), " bytes per ",
+              fmt.name, " row of ", K, " weights, got ", w.size(1));
+}
+
+// x as fp32 (a copy only when it is bf16).
+torch::Tensor as_f32(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous() &&
+                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "x: expected a contiguous 1-D float32 or bfloat16 CPU tensor");
+  return x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
+}
+
+// y [N] = W x: W [N, K] of ggml type `type` as raw rows [N, row bytes], x [K]; fp32.
+torch::Tensor gemv(const torch::Tensor& w, int64_t type, const torch::Tensor& x_in) {
+  const torch::Tensor x = as_f32(x_in);
+  const Format fmt = format_of(type);
+  const int64_t K = x.size(0);
+  check_raw(w, fmt, K, "w");
+  const int64_t N = w.size(0), stride = w.size(1);
+  auto y = torch::empty({N}, x.options().dtype(torch::kFloat32));
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  const float* X = x.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) Y[r] = row_dot(fmt, W + r * stride, X, K);
+  });
+  return y;
+}
+
+// W [N, K] decoded to fp32 with the same decoders the products use (bit-identical to gguf-py).
+torch::Tensor dequantize(const torch::Tensor& w, int64_t type, int64_t K) {
+  const Format fmt = format_of(type);
+  check_raw(w, fmt, K, "w");
+  const int64_t N = w.size(0), stride = w.size(1);
+  auto y = torch::empty({N, K}, torch::kFloat32);
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    alignas(32) float buf[256];
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* row = W + r * stride;
+      const int64_t full = K / fmt.block;
+      for (int64_t i = 0; i < full; ++i) {
+        fmt.decode(row + i * fmt.bytes, buf);
+        std::memcpy(Y + r * K + i * fmt.block, buf, fmt.block * 4);
+      }
+      const int width = fmt.bytes / fmt.block;
+      for (int64_t k = full * fmt.block; k < K; ++k) Y[r * K + k] = fmt.one(row + k * width);
+    }
+  });
+  return y;
+}
+
+// A wave of SwiGLU experts on one token: for each expert e,
+//   g = gate[e] x, u = up[e] x (fp32), h = silu(g) * u (fp32), y[e] = down[e] h (fp32).
+// gate[e], up[e]: raw rows [I, row bytes of D weights]; down[e]: raw rows [D, row bytes of I];
+// each matrix kind has one ggml type for the whole wave (all experts of a layer share a layout).
+// Returns [n, D] float32. Two parallel passes over every row of the wave, one for gate and up,
+// one for down; each row is one thread's fixed-order sum, so an expert's output does not depend
+// on the wave it runs in or on the thread count.
+torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor>& gates,
+                      const std::vector<torch::Tensor>& ups, const std::vector<torch::Tensor>& downs,
+                      int64_t gate_type, int64_t up_type, int64_t down_type) {
+  const torch::Tensor x = as_f32(x_in);
+  TORCH_CHECK(gates.size() == ups.size() && ups.size() == downs.size(),
+              "experts: expected as many gate, up and down matrices, got ", gates.size(), ", ", ups.size(), ", ",
+              downs.size());
+  const Format fg = format_of(gate_type), fu = format_of(up_type), fd = format_of(down_type);
+  const int64_t n = static_cast<int64_t>(gates.size()), D = x.size(0);
+  auto y = torch::empty({n, D}, torch::kFloat32);
+  if (n == 0) return y;
+  const int64_t I = gates[0].size(0);
+  std::vector<const uint8_t*> G(n), U(n), Dn(n);
+  for (int64_t e = 0; e < n; ++e) {
+    check_raw(gates[e], fg, D, "gate");
+    check_raw(ups[e], fu, D, "up");
+    check_raw(downs[e], fd, I, "down");
+    TORCH_CHECK(gates[e].size(0) == I && ups[e].size(0) == I && downs[e].size(0) == D,
+                "experts: expected gate and up [I, *] and down [D, *] with I = ", I, " and D = ", D);
+    G[e] = gates[e].data_ptr<uint8_t>();
+    U[e] = ups[e].data_ptr<uint8_t>();
+    Dn[e] = downs[e].data_ptr<uint8_t>();
+  }
+  const int64_t gstride = gates[0].size(1), ustride = ups[0].size(1), dstride = downs[0].size(1);
+  const float* X = x.data_ptr<float>();
+  std::vector<float> gu(n * 2 * I), h(n * I);
+  at::parallel_for(0, n * 2 * I, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t e = r / (2 * I), i = r % (2 * I);
+      gu[r] = i < I ? row_dot(fg, G[e] + i * gstride, X, D) : row_dot(fu, U[e] + (i - I) * ustride, X, D);
+    }
+  });
+  at::parallel_for(0, n * I, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t e = r / I, i = r % I;
+      const float g = gu[e * 2 * I + i], u = gu[e * 2 * I + I + i];
+      h[r] = g / (1.f + std::exp(-g)) * u;
+    }
+  });
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, n * D, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t e = r / D, i = r % D;
+      Y[r] = row_dot(fd, Dn[e] + i * dstride, h.data() + e * I, I);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#if defined(EXPERTCACHE_AVX2)
+  m.attr("isa") = "avx2";
+#else
+  m.attr("isa") = "portable";
+#endif
+  m.def("gemv", &gemv, "y [N] = W x, W raw ggml rows [N, row bytes] of a type, x [K] fp32/bf16; fp32");
+  m.def("dequantize", &dequantize, "raw ggml rows [N, row bytes] of a type -> fp32 [N, K]");
+  m.def("experts", &experts, "a wave of SwiGLU experts on one token from raw ggml rows: fp32 [n, D]");
+}
