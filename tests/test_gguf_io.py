@@ -95,6 +95,9 @@ def test_infos_and_bytes_match_the_writer_and_gguf_reader(model):
             assert np.array_equal(got.numpy(), want.reshape(info.byte_shape))
         assert ck.info("token_embd.weight").shape == (10, 32)
         assert ck.info("token_embd.weight").torch_dtype == torch.float32
+        assert ck.info("token_embd.weight").storage == torch.float32
+        assert ck.info("norm.weight").storage == torch.float16
+        assert ck.info("blk.0.ffn_down_exps.weight").storage == Q.Q4_K
         assert ck.info("blk.0.ffn_down_exps.weight").shape == (4, 2, 512)
         assert ck.info("blk.0.ffn_down_exps.weight").torch_dtype is None
         # The bytes are the quantized blocks: gguf-py dequantizes them back to the original floats.
@@ -222,6 +225,14 @@ def test_error_split_metadata_disagrees_with_the_name(tmp_path):
     with pytest.raises(ExpertCacheError) as e:
         GGUFCheckpoint(paths[0])
     one_line(e, "hand-00002-of-00003.gguf", "split.count=2", "expected split.no=1, split.count=3")
+
+
+def test_error_split_part_renamed(tmp_path):
+    paths = write_split_by_hand(tmp_path, [["a"], ["b"]])
+    paths[0].rename(tmp_path / "model.gguf")
+    with pytest.raises(ExpertCacheError) as e:
+        GGUFCheckpoint(tmp_path / "model.gguf")
+    one_line(e, "model.gguf", "part 1 of a 2-part model")
 
 
 def test_error_not_gguf(tmp_path):

@@ -36,6 +36,7 @@ _SCALARS = {  # value type -> (struct code, size)
     GGUFValueType.FLOAT32: ("f", 4), GGUFValueType.BOOL: ("?", 1), GGUFValueType.UINT64: ("Q", 8),
     GGUFValueType.INT64: ("q", 8), GGUFValueType.FLOAT64: ("d", 8),
 }
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 TORCH_DTYPES = {
     GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
     GGMLQuantizationType.BF16: torch.bfloat16, GGMLQuantizationType.F64: torch.float64,
@@ -68,6 +69,12 @@ class GGUFTensorInfo:
     def torch_dtype(self) -> torch.dtype | None:
         """The torch dtype when the storage type is a plain one (F32, F16, BF16, ints), else None."""
         return TORCH_DTYPES.get(self.qtype)
+
+    @property
+    def storage(self) -> torch.dtype | GGMLQuantizationType:
+        """The storage type as the engine names it: a torch dtype for F32, F16 and BF16 (one float
+        matrix is the same thing whichever format it came from), else the ggml type."""
+        return TORCH_DTYPES[self.qtype] if self.qtype in _FLOAT_TYPES else self.qtype
 
 
 class _Header:
@@ -277,6 +284,10 @@ class GGUFCheckpoint:
         self.metadata: dict[str, Any] = parts[0].metadata
         self.metadata_types: dict[str, tuple] = parts[0].types
         self.tensors: dict[str, GGUFTensorInfo] = {}
+        if len(parts) == 1 and parts[0].metadata.get("split.count", 1) > 1:
+            raise ExpertCacheError(f"{self.files[0]}: part {parts[0].metadata.get('split.no', 0) + 1} of a "
+                                   f"{parts[0].metadata['split.count']}-part model (split.count), but its name is not "
+                                   "NAME-0000i-of-0000N.gguf; give the parts their gguf-split names")
         for i, part in enumerate(parts):
             if len(parts) > 1:
                 _check_split(part, i, len(parts))
