@@ -35,6 +35,7 @@ export async function api(path, options = {}) {
     if (key) headers.set("Authorization", `Bearer ${key}`);
     const response = await fetch(path, { ...options, headers });
     if (response.status !== 401) return response;
+    if (apiKey() !== key) continue;  // a key was entered while this request was on its way
     let reason = "";
     try { reason = (await response.json()).error.message; } catch { /* not our error shape */ }
     if (key && apiKey() === key) sessionStorage.removeItem(KEY);

@@ -36,6 +36,7 @@ export class Plot {
     const dUsed = now.used - p.used;
     if (dTokens <= 0 && dUsed <= 0) return;
     this.points.push({
+      x0: p.tokens,
       x: now.tokens,
       hit: dUsed > 0 ? (now.hits - p.hits) / dUsed : null,
       bpt: dTokens > 0 ? (now.copied - p.copied) / dTokens : null,
@@ -69,7 +70,7 @@ export class Plot {
       g.fillText("no tokens yet: send a message", pad.l + 8, pad.t + ph / 2);
       return;
     }
-    const x0 = pts.length > 1 ? pts[0].x : pts[0].x - 1;
+    const x0 = Math.min(pts[0].x0, pts[0].x - 1);
     const x1 = pts[pts.length - 1].x;
     const X = (x) => pad.l + (pw * (x - x0)) / Math.max(1, x1 - x0);
     const maxB = Math.max(1, ...pts.map((p) => p.bpt ?? 0));
@@ -90,21 +91,20 @@ export class Plot {
     g.fillStyle = "#667";
     g.textAlign = "center";
     g.fillText(`tokens processed: ${x0.toLocaleString("en")} … ${x1.toLocaleString("en")}`, pad.l + pw / 2, h - 6);
+    // Each value is an average over the tokens between two snapshots: a step over that range.
     const line = (key, y, color) => {
       g.strokeStyle = color;
       g.lineWidth = 1.5;
       g.beginPath();
-      let on = false;
+      let end = null;
       for (const p of pts) {
-        if (p[key] === null) { on = false; continue; }
-        if (on) g.lineTo(X(p.x), y(p[key])); else g.moveTo(X(p.x), y(p[key]));
-        on = true;
+        if (p[key] === null) { end = null; continue; }
+        const a = Math.max(X(p.x0), pad.l);
+        if (end === null || Math.abs(end - a) > 1) g.moveTo(a, y(p[key])); else g.lineTo(a, y(p[key]));
+        g.lineTo(Math.max(X(p.x), a + 1), y(p[key]));
+        end = Math.max(X(p.x), a + 1);
       }
       g.stroke();
-      if (pts.length === 1 && pts[0][key] !== null) {
-        g.fillStyle = color;
-        g.fillRect(X(pts[0].x) - 2, y(pts[0][key]) - 2, 4, 4);
-      }
     };
     line("bpt", yB, BYTES);
     line("hit", yHit, HIT);
