@@ -1,5 +1,6 @@
 """Random valid ggml blocks for the quantized-kernel tests: random bytes everywhere, except the
-fp16 scale fields, which hold finite fp16 values over a wide range (subnormals included)."""
+fp16 scale fields, which hold finite fp16 values over a wide range (subnormals included). Float
+storage types hold such values as their weights."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ def random_rows(qtype: Q, rows: int, cols: int, seed: int, lo: int = -24, hi: in
     size, nbytes = GGML_QUANT_SIZES[qtype]
     assert cols % size == 0
     blocks = rows * cols // size
-    if qtype == Q.F16:
-        raw = fp16_values(rng, blocks, lo, hi).view(np.uint8)
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        v = fp16_values(rng, blocks, lo, hi).astype(np.float32)
+        raw = {Q.F32: v, Q.F16: v.astype(np.float16), Q.BF16: (v.view(np.uint32) >> 16).astype(np.uint16)}[qtype]
+        raw = raw.view(np.uint8)
     else:
         raw = rng.integers(0, 256, (blocks, nbytes), dtype=np.uint8)
         for at in FP16_FIELDS.get(qtype, ()):
