@@ -13,6 +13,7 @@ N = chunks, L = chunk length.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -168,12 +169,18 @@ def deltanet(kern: Kernels, cfg: DeltaNetConfig, w: DeltaNetWeights, x: torch.Te
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
     """SiLU(depthwise causal conv) of x [T, C] after the K-1 inputs kept in `state`, which it
-    then replaces with the last K-1 inputs."""
+    then replaces with the last K-1 inputs.
+
+    K multiply-adds over [T, C] slices, summed in fp32 and rounded once, as a conv rounds: torch's
+    depthwise conv1d in bf16 on a CPU loops over the channels one at a time, thousands of calls."""
     T, K = x.shape[0], weight.shape[1]
-    seq = torch.cat((state.conv, x.t()), dim=1)                        # [C, K-1+T]
-    state.conv.copy_(seq[:, T:])
-    y = F.conv1d(seq[None], weight[:, None, :], groups=weight.shape[0])[0]  # [C, T]
-    return F.silu(y).t()                                              # [T, C]
+    seq = torch.cat((state.conv.t(), x))                               # [K-1+T, C]
+    state.conv.copy_(seq[T:].t())
+    wf = weight.float().t()                                            # [K, C]
+    y = seq[:T].float() * wf[0]                                        # [T, C]
+    for j in range(1, K):
+        y += seq[j:j + T].float() * wf[j]
+    return F.silu(y.to(x.dtype))                                       # [T, C]
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -222,8 +229,9 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [Hv, N, L, L]
     kb = k * beta[..., None]                                           # [Hv, N, L, dk]
     system = (kb @ k.transpose(-1, -2)) * decay                        # [Hv, N, L, L], diagonal unused
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)  # [Hv, N, L, dv]
-    ks = torch.linalg.solve_triangular(system, kb * G.exp()[..., None], upper=False, unitriangular=True)  # [Hv, N, L, dk]
+    solve = partial(torch.linalg.solve_triangular, system, upper=False, unitriangular=True)
+    u = solve(v * beta[..., None])                                     # [Hv, N, L, dv]
+    ks = solve(kb * G.exp()[..., None])                                # [Hv, N, L, dk]: reads of S0
     attn = (q @ k.transpose(-1, -2)) * decay                           # [Hv, N, L, L]
     q = q * G.exp()[..., None]                                         # reads S0 decayed to each position
     k = k * (G[..., -1:] - G).exp()[..., None]                         # writes decayed to the chunk's end
