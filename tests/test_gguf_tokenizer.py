@@ -163,3 +163,19 @@ def test_tokenizer_from_parts_matches_the_directory_tokenizer():
     assert got.encode_chat(messages) == ref.encode_chat(messages)
     assert got.encode(HELDOUT[:5000]) == ref.encode(HELDOUT[:5000])
     assert (got.eos_id, got.bos_id, got.add_bos, got.vocab_size) == (ref.eos_id, ref.bos_id, ref.add_bos, ref.vocab_size)
+
+
+def test_end_of_generation_ids_follow_llama_cpp():
+    meta = converter_metadata(BUNDLED / "tokenizer.json", "gpt-2")
+    extra = ["<|return|>", "<|call|>", "<|end|>", "<|channel|>", "<|file_sep|>"]
+    n = len(meta["tokenizer.ggml.tokens"])
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], *extra]
+    # Stored as normal tokens: llama.cpp makes the end-of-generation ones control tokens by their text.
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], *[NORMAL] * len(extra)]
+    tok, cfg = tokenizer_parts_from_gguf(meta, "m.gguf")
+    ret, call, end, channel, file_sep = range(n, n + len(extra))
+    # gpt-oss: <|end|> ends nothing when <|return|> and <|call|> exist, and is rendered like text.
+    assert cfg["eog_token_ids"] == [0, 2, ret, call, file_sep]
+    ids = tok.encode("a<|end|>b<|channel|>c<|return|>").ids
+    assert end in ids and channel in ids and ret in ids
+    assert tok.decode(ids, skip_special_tokens=True) == "a<|end|>b<|channel|>c"

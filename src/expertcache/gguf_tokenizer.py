@@ -54,14 +54,24 @@ PRE_TOKENIZERS: dict[str, tuple[list[str], bool, bool]] = {
 }
 _GEMMA4_SPLIT = r"[^\n]+|[\n]+"
 
-# Token texts llama.cpp makes control tokens whatever their stored type (end of turn and the like).
-_CONTROL_BY_TEXT = {
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
-    "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>", "<|eom_id|>", "<|return|>", "<|call|>",
-    "<|flush|>", "<|calls|>", "</s>", "[EOS]", "<eos>", "<turn|>", "<|tool_response>", "[e~[",
+# llama.cpp recognises some tokens by their text (llama_vocab::impl::load): these end generation,
+_EOG_TEXTS = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",  # fill-in-the-middle pad, repo and file separator
+    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
 }
+# the first of these present is the end-of-turn token when the file names none,
 _EOT_TEXTS = ["<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
               "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>"]
+# and these, with the above, are control tokens whatever type the file stores.
+_CONTROL_TEXTS = _EOG_TEXTS | set(_EOT_TEXTS) | {
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
+    "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+    "<|code_suffix|>", "<|suffix|>", "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
+    "▁<MID>", "<|code_middle|>", "<|middle|>",
+}
 _ALWAYS_RENDERED = {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}  # gpt-oss: user-defined
 
 _WAY_OUT = "give --tokenizer DIR with the model's tokenizer.json instead"
@@ -83,10 +93,11 @@ def tokenizer_parts_from_gguf(metadata: dict, where: str) -> tuple[Tokenizer, di
     types = metadata.get("tokenizer.ggml.token_type") or [NORMAL] * n
     if len(types) < n:
         raise ExpertCacheError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries, expected {n}")
-    types = [_llama_cpp_type(t, ty) for t, ty in zip(tokens, types)]
     if "" in tokens:
         tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # what llama.cpp names an empty token
     vocab = _vocab(tokens, where)
+    types = [USER_DEFINED if t in _ALWAYS_RENDERED else CONTROL if t in _CONTROL_TEXTS else ty
+             for t, ty in zip(tokens, types)]
     pre = metadata.get("tokenizer.ggml.pre")
     if kind == "gpt2":
         if pre is None:
@@ -118,14 +129,13 @@ def tokenizer_parts_from_gguf(metadata: dict, where: str) -> tuple[Tokenizer, di
     if kind != "gemma4":
         add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    eog = _end_of_generation(vocab, types, [ids[r] for r in ("eos", "eot", "eom")])
     name = str(metadata.get("general.name", "")).lower()
     _add_special_tokens(tok, tokens, types, phi3="phi-3" in name or "phi3" in name)
     if add_eos and ids["eos"] is not None:
         eos = tokens[ids["eos"]]
         tok.post_processor = processors.TemplateProcessing(single=f"$A:0 {eos}:0", pair=f"$A:0 $B:1 {eos}:1",
                                                            special_tokens=[(eos, ids["eos"])])
-    eog = sorted({vocab[t] for t in _CONTROL_BY_TEXT if t in vocab} | {i for r, i in ids.items()
-                                                                        if r in ("eos", "eot", "eom") and i is not None})
     text = lambda role: tokens[ids[role]] if ids[role] is not None else None  # noqa: E731
     cfg = {
         "bos_token": text("bos"), "eos_token": text("eos"), "eot_token": text("eot"), "pad_token": text("padding"),
@@ -142,13 +152,18 @@ def _list(metadata: dict, key: str, where: str) -> list:
     return value
 
 
-def _llama_cpp_type(text: str, stored: int) -> int:
-    """The type llama.cpp gives a token: end-of-turn texts are control tokens whatever was stored."""
-    if text in _ALWAYS_RENDERED:
-        return USER_DEFINED
-    if text in _CONTROL_BY_TEXT and stored != CONTROL:
-        return CONTROL
-    return stored
+def _end_of_generation(vocab: dict[str, int], types: list[int], named: list[int | None]) -> list[int]:
+    """The ids llama.cpp ends generation at, with its two exceptions: gpt-oss's and Solar's <|end|>
+    ends nothing (and is user-defined), and with Gemma 4's <|tool_response> </s> is a normal token."""
+    eog = {vocab[t] for t in _EOG_TEXTS if t in vocab} | {i for i in named if i is not None}
+    texts = {t for t, i in vocab.items() if i in eog}
+    if "<|end|>" in texts and ({"<|return|>", "<|call|>"} <= texts or {"<|calls|>", "<|flush|>"} <= texts):
+        eog.discard(vocab["<|end|>"])
+        types[vocab["<|end|>"]] = USER_DEFINED
+    if {"<|tool_response>", "</s>"} <= texts:
+        eog.discard(vocab["</s>"])
+        types[vocab["</s>"]] = NORMAL
+    return sorted(eog)
 
 
 def _vocab(tokens: list[str], where: str) -> dict[str, int]:
