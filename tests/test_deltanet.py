@@ -192,7 +192,8 @@ def test_deltanet_bf16_tracks_transformers():
     state = DeltaNetState.zeros(cfg, "cpu", torch.bfloat16)
     got, state = run_ours(cfg, w, [x[:70], x[70:71], x[71:]], state)
     assert got.dtype == torch.bfloat16 and state.recurrent.dtype == torch.float32
-    close(got.float(), expected.float(), 0.03 * expected.float().abs().max().item())
+    # (bitwise equal on this machine; bf16 rounding itself moves outputs by about 3% of their range)
+    close(got.float(), expected.float(), 0.01 * expected.float().abs().max().item())
 
 
 def make_attention(seed: int = 0, **cfg):
