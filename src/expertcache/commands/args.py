@@ -5,6 +5,7 @@ failure is one line naming the flag, the value and what was expected."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 
 from ..errors import ExpertCacheError
@@ -72,3 +73,18 @@ def check_device(name: str) -> None:
                                "(expected cpu, cuda, mps or xpu)")
     if not backend.is_available():
         raise ExpertCacheError(f"--device {name!r} is not available on this machine")
+
+
+def open_listener_warning(host: str, has_key: bool) -> str | None:
+    """The warning to print when a server listens on `host` (an address) beyond this machine
+    without an API key; None when it listens on loopback only or wants a key."""
+    if has_key:
+        return None
+    try:
+        loopback = ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:  # not an address: be safe and warn
+        loopback = False
+    if loopback:
+        return None
+    return (f"listening on {host}, beyond this machine, without an API key: anyone who can reach the port "
+            "can use the model (give --api-key or --api-key-file)")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import sys
 
 from ..errors import ExpertCacheError
 from ..server.limits import MAX_BODY_BYTES
-from .args import byte_count
+from .args import byte_count, open_listener_warning
 from .common import add_cache_flags, add_model_flags, load_model, positive_int
 
 
@@ -42,10 +41,9 @@ def cmd_serve(args) -> int:
     api_key = read_api_key(args.api_key, args.api_key_file)
     sock = _listen(args.host, args.port)  # before loading: a busy port fails fast
     host, port = sock.getsockname()[:2]
-    if api_key is None and not ipaddress.ip_address(host.split("%")[0]).is_loopback:
-        print(f"expertcache: warning: listening on {host}, beyond this machine, without an API key: "
-              "anyone who can reach the port can use the model (give --api-key or --api-key-file)",
-              file=sys.stderr, flush=True)
+    warning = open_listener_warning(host, api_key is not None)
+    if warning:
+        print(f"expertcache: warning: {warning}", file=sys.stderr, flush=True)
     model = load_model(args)
     app = create_app(model, model_id=args.alias, n_slots=args.parallel, cache_prompt=not args.no_cache_prompt,
                      ubatch=args.ubatch, api_key=api_key, max_body_bytes=args.max_body_bytes)

@@ -19,12 +19,18 @@ class ApiError(Exception):
 
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
                  type: str | None = None):
+        message, param = _printable(message), None if param is None else _printable(param)
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+def _printable(text: str) -> str:
+    """`text` with what UTF-8 cannot encode (lone surrogates quoted from a request) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
