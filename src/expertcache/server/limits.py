@@ -3,9 +3,12 @@ that a body over the limit is refused (413) without being held in memory."""
 
 from __future__ import annotations
 
-from fastapi import Request
+from typing import TYPE_CHECKING
 
 from .protocol import ApiError
+
+if TYPE_CHECKING:  # the CLI reads MAX_BODY_BYTES without the server extra installed
+    from fastapi import Request
 
 MAX_BODY_BYTES = 8 * 2**20  # the default of --max-body-bytes
 
