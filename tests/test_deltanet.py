@@ -47,19 +47,20 @@ def widen(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(0.1 * torch.randn_like(p) + (1.0 if name == "norm.weight" else 0.0))
-            elif name == "conv1d.weight":
+            if name.endswith("conv1d.weight") or name.endswith("dt_bias"):
                 p.normal_(0.0, 0.5)
-            elif name == "dt_bias":
-                p.normal_(0.0, 0.5)
-            elif name == "A_log":
+            elif name.endswith("A_log"):
                 # decays per step from about 0.99 to about 1e-4: long and short memories
                 p.copy_(torch.linspace(-4.0, 2.5, p.numel()))
             elif p.ndim >= 2:
                 p.normal_(0.0, 0.12)
             else:
                 p.normal_(0.0, 0.05)
+        for m in module.modules():
+            if isinstance(m, ref.Qwen3_5MoeRMSNorm):  # scales by 1 + w
+                m.weight.normal_(0.0, 0.1)
+            elif isinstance(m, ref.Qwen3_5MoeRMSNormGated):  # scales by w
+                m.weight.normal_(1.0, 0.1)
     return module.eval()
 
 
@@ -300,3 +301,52 @@ def test_configs_from_hf_and_their_errors():
         DeltaNetConfig.from_hf({k: v for k, v in d.items() if k != "linear_num_value_heads"})
     with pytest.raises(ExpertCacheError, match="rotary dims are 7"):
         GatedAttentionConfig(4, 2, 32, 7)
+
+
+def test_whole_text_model_from_these_layers():
+    # The decoder loop the lead wires, with transformers' own MoE blocks in place of ours: norms,
+    # residuals, positions, DeltaNet states and the KV cache over prefill pieces then decode steps,
+    # against transformers' text model in one forward.
+    c = hf_config(k_heads=2, v_heads=4)
+    model = widen(ref.Qwen3_5MoeTextModel(c), 6)
+    ids = torch.randint(0, c.vocab_size, (150,), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        expected = model(input_ids=ids[None], use_cache=False).last_hidden_state[0]  # [150, D]
+    dcfg = DeltaNetConfig.from_hf(c.to_dict())
+    acfg = GatedAttentionConfig.from_hf(c.to_dict())
+    kv = KVCache(SimpleNamespace(num_kv_heads=acfg.kv_heads, head_dim=acfg.head_dim, num_layers=4), 1024, "cpu",
+                 torch.float32)
+    rotary = Rotary(SimpleNamespace(rope=RopeConfig.from_hf(c.to_dict(), 1024), head_dim=acfg.rotary_dim), "cpu",
+                    torch.float32)
+    layers = []
+    for i, layer in enumerate(model.layers):
+        p = {n: t.detach() for n, t in layer.named_parameters()}
+        if c.layer_types[i] == "linear_attention":
+            w = DeltaNetWeights.from_hf({n.removeprefix("linear_attn."): t for n, t in p.items()
+                                         if n.startswith("linear_attn.")})
+            layers.append((w, DeltaNetState.zeros(dcfg, "cpu", torch.float32)))
+        else:
+            w = GatedAttentionWeights(torch.cat([p[f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                                      p["self_attn.o_proj.weight"], unit_offset(p["self_attn.q_norm.weight"]),
+                                      unit_offset(p["self_attn.k_norm.weight"]))
+            layers.append((w, None))
+    paths = DeltaNetPaths()
+    out = []
+    with torch.no_grad():
+        for piece in (ids[:70], ids[70:140], *ids[140:].split(1)):
+            T = piece.shape[0]
+            x = model.embed_tokens.weight[piece]                                     # [T, D]
+            cos, sin = rotary(kv.length, T)
+            for i, (layer, (w, state)) in enumerate(zip(model.layers, layers)):
+                h = rms_norm_fp32(x, unit_offset(layer.input_layernorm.weight), c.rms_norm_eps)
+                if state is not None:
+                    x = x + deltanet(KERN, dcfg, w, h, state, paths)
+                else:
+                    x = x + gated_attention(KERN, acfg, w, h, i, kv, cos, sin)
+                h = rms_norm_fp32(x, unit_offset(layer.post_attention_layernorm.weight), c.rms_norm_eps)
+                x = x + layer.mlp(h[None])[0]
+            kv.advance(T)
+            out.append(rms_norm_fp32(x, unit_offset(model.norm.weight), c.rms_norm_eps))
+    got = torch.cat(out)
+    close(got, expected, 1e-4)
+    assert (paths.chunked, paths.recurrent) == (2 * 3, 10 * 3)
