@@ -253,8 +253,8 @@ def test_chat_streams_and_cache_view_matches_the_server(browser, tmp_path):
         server.stop()
 
 
-def test_api_key_is_asked_for_and_the_page_reconnects(browser):
-    server = Server("--api-key", KEY)
+def test_api_key_slots_and_reconnection(browser):
+    server = Server("--api-key", KEY, "-np", "2")
     try:
         assert server.get("/cache/state", None).status_code == 401
         assert server.get("/cache/events?interval=10", "wrong").status_code == 401
@@ -272,6 +272,7 @@ def test_api_key_is_asked_for_and_the_page_reconnects(browser):
         wait(browser, online, "the page did not connect with the key")
         assert dialog.get_attribute("open") is None
         assert browser.execute_script("return sessionStorage.getItem('expertcache.apiKey')") == KEY
+        wait(browser, lambda d: "2 slot(s)" in d.find_element(By.ID, "model").text, "the slots are not shown")
 
         set_field(browser, "temperature", "0")
         set_field(browser, "max_tokens", "8")
@@ -283,7 +284,7 @@ def test_api_key_is_asked_for_and_the_page_reconnects(browser):
         server.stop()
         wait(browser, lambda d: not online(d) and d.find_element(By.ID, "offline").is_displayed(),
              "the page did not show that the server is gone", timeout=20)
-        server = Server("--api-key", KEY, port=port)
+        server = Server("--api-key", KEY, "-np", "2", port=port)
         wait(browser, online, "the page did not reconnect", timeout=30)
         assert browser.find_element(By.ID, "offline").is_displayed() is False
         assert dialog.get_attribute("open") is None, "the key was asked for again"

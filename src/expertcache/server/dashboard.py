@@ -112,8 +112,9 @@ def _interval(request: Request) -> float:
 
 def add_dashboard(app: FastAPI, model, scheduler: Scheduler, *, model_id: str = "") -> None:
     """Serve the page at `/` and the cache's state at `/cache/state` and `/cache/events` on `app`."""
-    counter = TokenCounter(model, model.net.routing_hook)
-    model.net.routing_hook = counter
+    counter = model.net.routing_hook
+    if not isinstance(counter, TokenCounter):  # another app over the same model already counts
+        counter = model.net.routing_hook = TokenCounter(model, model.net.routing_hook)
     authorized = [Depends(require_api_key)]
 
     def state() -> dict:
