@@ -76,6 +76,17 @@ def test_gemv_matches_float64_products_of_the_decoded_weights(native, name, rows
     assert torch.equal(native.gemv(raw, qtype, xb), native.gemv(raw, qtype, xb.float()))
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_register_level_decoding_gives_the_plain_decoders_sums(native, name):
+    """Types with a fused decode-and-multiply give the same bits as decoding into a buffer with
+    the decoders `dequantize` checks against gguf-py, then adding it into the same lanes."""
+    qtype = Q[name]
+    cols = cols_for(qtype, 4)
+    raw, _ = weights(qtype, 50, cols, seed=9)
+    x = vector(cols, seed=4)
+    assert torch.equal(native.gemv(raw, qtype, x), native.gemv_decoded(raw, qtype, x))
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0"])
 def test_gemv_on_expert_shapes(native, name):
     qtype = Q[name]

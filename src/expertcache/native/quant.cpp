@@ -220,106 +220,6 @@ void deq_bf16(const uint8_t* b, float* y) {
   for (int i = 0; i < 32; ++i) y[i] = bf2f(b + 2 * i);
 }
 
-#if defined(EXPERTCACHE_AVX2)
-// The hot types decoded with intrinsics: the same two roundings per weight (mul, then sub).
-
-// 8 weights: dl * q - ml, q from 8 unsigned bytes.
-inline __m256 scale_u8(__m128i q8, __m256 dl, __m256 ml) {
-  return _mm256_sub_ps(_mm256_mul_ps(dl, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8))), ml);
-}
-
-void deq_q4_k_avx2(const uint8_t* b, float* y) {
-  const float d = h2f(b), dmin = h2f(b + 2);
-  const __m128i mask = _mm_set1_epi8(15);
-  for (int p = 0; p < 4; ++p) {  // pairs of sub-blocks share 32 bytes: low nibbles, then high
-    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + p * 32));
-    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + p * 32 + 16));
-    for (int half = 0; half < 2; ++half) {
-      const int j = 2 * p + half;
-      int sc, m;
-      k_scale(b + 4, j, sc, m);
-      const __m256 dl = _mm256_set1_ps(d * static_cast<float>(sc)), ml = _mm256_set1_ps(dmin * static_cast<float>(m));
-      const __m128i a = half ? _mm_and_si128(_mm_srli_epi16(q0, 4), mask) : _mm_and_si128(q0, mask);
-      const __m128i c = half ? _mm_and_si128(_mm_srli_epi16(q1, 4), mask) : _mm_and_si128(q1, mask);
-      float* o = y + j * 32;
-      _mm256_storeu_ps(o, scale_u8(a, dl, ml));
-      _mm256_storeu_ps(o + 8, scale_u8(_mm_srli_si128(a, 8), dl, ml));
-      _mm256_storeu_ps(o + 16, scale_u8(c, dl, ml));
-      _mm256_storeu_ps(o + 24, scale_u8(_mm_srli_si128(c, 8), dl, ml));
-    }
-  }
-}
-
-void deq_q8_0_avx2(const uint8_t* b, float* y) {
-  const __m256 d = _mm256_set1_ps(h2f(b));
-  for (int i = 0; i < 32; i += 8) {
-    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + i));
-    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
-  }
-}
-
-void deq_q6_k_avx2(const uint8_t* b, float* y) {
-  const uint8_t *ql = b, *qh = b + 128;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = h2f(b + 208);
-  const __m128i m4 = _mm_set1_epi8(15), m2 = _mm_set1_epi8(3), off = _mm_set1_epi8(32);
-  for (int h = 0; h < 2; ++h) {
-    for (int s = 0; s < 4; ++s) {  // 32 weights: w = h*128 + s*32 + l
-      const uint8_t* lp = ql + h * 64 + (s % 2) * 32;
-      const uint8_t* hp = qh + h * 32;
-      for (int g = 0; g < 2; ++g) {  // 16 weights at a time, one scale each
-        __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lp + g * 16));
-        lo = s < 2 ? _mm_and_si128(lo, m4) : _mm_and_si128(_mm_srli_epi16(lo, 4), m4);
-        __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(hp + g * 16));
-        hi = _mm_and_si128(_mm_srli_epi16(hi, 2 * s), m2);
-        const __m128i q = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), off);  // -32..31
-        const int w = h * 128 + s * 32 + g * 16;
-        const __m256 dl = _mm256_set1_ps(d * static_cast<float>(sc[w / 16]));
-        _mm256_storeu_ps(y + w, _mm256_mul_ps(dl, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
-        _mm256_storeu_ps(y + w + 8, _mm256_mul_ps(dl, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))));
-      }
-    }
-  }
-}
-#endif
-
-using Decoder = void (*)(const uint8_t*, float*);
-
-struct Format {
-  const char* name;
-  int block;                       // weights per block
-  int bytes;                       // bytes per block
-  Decoder decode;
-  float (*one)(const uint8_t*) = nullptr;  // float types: one weight (rows of any length)
-};
-
-Format format_of(int64_t type) {
-  switch (type) {
-    case F32: return {"F32", 32, 128, deq_f32, f2f};
-    case F16: return {"F16", 32, 64, deq_f16, h2f};
-    case BF16: return {"BF16", 32, 64, deq_bf16, bf2f};
-#if defined(EXPERTCACHE_AVX2)
-    case Q8_0: return {"Q8_0", 32, 34, deq_q8_0_avx2};
-    case Q4_K: return {"Q4_K", 256, 144, deq_q4_k_avx2};
-    case Q6_K: return {"Q6_K", 256, 210, deq_q6_k_avx2};
-#else
-    case Q8_0: return {"Q8_0", 32, 34, deq_q8_0};
-    case Q4_K: return {"Q4_K", 256, 144, deq_q4_k};
-    case Q6_K: return {"Q6_K", 256, 210, deq_q6_k};
-#endif
-    case Q4_0: return {"Q4_0", 32, 18, deq_q4_0};
-    case Q4_1: return {"Q4_1", 32, 20, deq_q4_1};
-    case Q5_0: return {"Q5_0", 32, 22, deq_q5_0};
-    case Q5_1: return {"Q5_1", 32, 24, deq_q5_1};
-    case Q2_K: return {"Q2_K", 256, 84, deq_q2_k};
-    case Q3_K: return {"Q3_K", 256, 110, deq_q3_k};
-    case Q5_K: return {"Q5_K", 256, 176, deq_q5_k};
-    case IQ4_NL: return {"IQ4_NL", 32, 18, deq_iq4_nl};
-    case IQ4_XS: return {"IQ4_XS", 256, 136, deq_iq4_xs};
-    default: TORCH_CHECK(false, "ggml type ", type, " has no native kernel");
-  }
-}
-
 // ---- the fixed-order 16-lane sum ---------------------------------------------------------
 
 struct Lanes {
@@ -363,15 +263,131 @@ struct Lanes {
 #endif
 };
 
+#if defined(EXPERTCACHE_AVX2)
+// The hot types decode and multiply in registers, with the same two roundings per weight as the
+// plain decoders (mul, then sub) and the same lanes in the same order as decoding a block into a
+// buffer and adding it: `gemv` equals `gemv_decoded` bit for bit (the tests hold it to that).
+
+// 8 weights: dl * q - ml, q from the low 8 unsigned bytes of q8.
+inline __m256 scale_u8(__m128i q8, __m256 dl, __m256 ml) {
+  return _mm256_sub_ps(_mm256_mul_ps(dl, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8))), ml);
+}
+
+// 8 weights: dl * q, q from the low 8 signed bytes of q8.
+inline __m256 scale_i8(__m128i q8, __m256 dl) {
+  return _mm256_mul_ps(dl, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
+}
+
+inline void fma8(__m256& acc, __m256 w, const float* x) { acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(x), acc); }
+
+void dot_q4_k(const uint8_t* b, const float* x, Lanes& L) {
+  const float d = h2f(b), dmin = h2f(b + 2);
+  const __m128i mask = _mm_set1_epi8(15);
+  for (int p = 0; p < 4; ++p) {  // pairs of sub-blocks share 32 bytes: low nibbles, then high
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + p * 32));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + p * 32 + 16));
+    for (int half = 0; half < 2; ++half) {
+      const int j = 2 * p + half;
+      int sc, m;
+      k_scale(b + 4, j, sc, m);
+      const __m256 dl = _mm256_set1_ps(d * static_cast<float>(sc)), ml = _mm256_set1_ps(dmin * static_cast<float>(m));
+      const __m128i a = half ? _mm_and_si128(_mm_srli_epi16(q0, 4), mask) : _mm_and_si128(q0, mask);
+      const __m128i c = half ? _mm_and_si128(_mm_srli_epi16(q1, 4), mask) : _mm_and_si128(q1, mask);
+      const float* xj = x + j * 32;
+      fma8(L.a, scale_u8(a, dl, ml), xj);
+      fma8(L.b, scale_u8(_mm_srli_si128(a, 8), dl, ml), xj + 8);
+      fma8(L.a, scale_u8(c, dl, ml), xj + 16);
+      fma8(L.b, scale_u8(_mm_srli_si128(c, 8), dl, ml), xj + 24);
+    }
+  }
+}
+
+void dot_q8_0(const uint8_t* b, const float* x, Lanes& L) {
+  const __m256 d = _mm256_set1_ps(h2f(b));
+  for (int i = 0; i < 32; i += 16) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + i));
+    fma8(L.a, scale_i8(q, d), x + i);
+    fma8(L.b, scale_i8(_mm_srli_si128(q, 8), d), x + i + 8);
+  }
+}
+
+void dot_q6_k(const uint8_t* b, const float* x, Lanes& L) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = h2f(b + 208);
+  const __m128i m4 = _mm_set1_epi8(15), m2 = _mm_set1_epi8(3), off = _mm_set1_epi8(32);
+  for (int h = 0; h < 2; ++h) {
+    for (int s = 0; s < 4; ++s) {  // 32 weights: w = h*128 + s*32 + l
+      const uint8_t* lp = ql + h * 64 + (s % 2) * 32;
+      const uint8_t* hp = qh + h * 32;
+      for (int g = 0; g < 2; ++g) {  // 16 weights at a time, one scale each
+        __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lp + g * 16));
+        lo = s < 2 ? _mm_and_si128(lo, m4) : _mm_and_si128(_mm_srli_epi16(lo, 4), m4);
+        __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(hp + g * 16));
+        hi = _mm_and_si128(_mm_srli_epi16(hi, 2 * s), m2);
+        const __m128i q = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), off);  // -32..31
+        const int w = h * 128 + s * 32 + g * 16;
+        const __m256 dl = _mm256_set1_ps(d * static_cast<float>(sc[w / 16]));
+        fma8(L.a, scale_i8(q, dl), x + w);
+        fma8(L.b, scale_i8(_mm_srli_si128(q, 8), dl), x + w + 8);
+      }
+    }
+  }
+}
+#endif
+
+using Decoder = void (*)(const uint8_t*, float*);
+using BlockDot = void (*)(const uint8_t*, const float*, Lanes&);
+
+struct Format {
+  const char* name;
+  int block;                       // weights per block
+  int bytes;                       // bytes per block
+  Decoder decode;
+  float (*one)(const uint8_t*) = nullptr;  // float types: one weight (rows of any length)
+  BlockDot dot = nullptr;                  // decode and multiply a block in registers, if offered
+};
+
+Format format_of(int64_t type) {
+  switch (type) {
+    case F32: return {"F32", 32, 128, deq_f32, f2f};
+    case F16: return {"F16", 32, 64, deq_f16, h2f};
+    case BF16: return {"BF16", 32, 64, deq_bf16, bf2f};
+#if defined(EXPERTCACHE_AVX2)
+    case Q8_0: return {"Q8_0", 32, 34, deq_q8_0, nullptr, dot_q8_0};
+    case Q4_K: return {"Q4_K", 256, 144, deq_q4_k, nullptr, dot_q4_k};
+    case Q6_K: return {"Q6_K", 256, 210, deq_q6_k, nullptr, dot_q6_k};
+#else
+    case Q8_0: return {"Q8_0", 32, 34, deq_q8_0};
+    case Q4_K: return {"Q4_K", 256, 144, deq_q4_k};
+    case Q6_K: return {"Q6_K", 256, 210, deq_q6_k};
+#endif
+    case Q4_0: return {"Q4_0", 32, 18, deq_q4_0};
+    case Q4_1: return {"Q4_1", 32, 20, deq_q4_1};
+    case Q5_0: return {"Q5_0", 32, 22, deq_q5_0};
+    case Q5_1: return {"Q5_1", 32, 24, deq_q5_1};
+    case Q2_K: return {"Q2_K", 256, 84, deq_q2_k};
+    case Q3_K: return {"Q3_K", 256, 110, deq_q3_k};
+    case Q5_K: return {"Q5_K", 256, 176, deq_q5_k};
+    case IQ4_NL: return {"IQ4_NL", 32, 18, deq_iq4_nl};
+    case IQ4_XS: return {"IQ4_XS", 256, 136, deq_iq4_xs};
+    default: TORCH_CHECK(false, "ggml type ", type, " has no native kernel");
+  }
+}
+
 // sum_k W[row, k] x[k] for one row of `fmt` blocks; K a whole number of blocks except for the
 // float types, whose last partial group is decoded weight by weight.
-float row_dot(const Format& fmt, const uint8_t* row, const float* x, int64_t K) {
+float row_dot(const Format& fmt, const uint8_t* row, const float* x, int64_t K, bool fused = true) {
   alignas(32) float buf[256];
   Lanes acc;
   const int64_t full = K / fmt.block;
-  for (int64_t i = 0; i < full; ++i) {
-    fmt.decode(row + i * fmt.bytes, buf);
-    acc.add(buf, x + i * fmt.block, fmt.block);
+  if (fmt.dot && fused) {
+    for (int64_t i = 0; i < full; ++i) fmt.dot(row + i * fmt.bytes, x + i * fmt.block, acc);
+  } else {
+    for (int64_t i = 0; i < full; ++i) {
+      fmt.decode(row + i * fmt.bytes, buf);
+      acc.add(buf, x + i * fmt.block, fmt.block);
+    }
   }
   const int64_t left = K - full * fmt.block;  // float types only
   if (left) {
@@ -408,7 +424,8 @@ torch::Tensor as_f32(const torch::Tensor& x) {
 }
 
 // y [N] = W x: W [N, K] of ggml type `type` as raw rows [N, row bytes], x [K]; fp32.
-torch::Tensor gemv(const torch::Tensor& w, int64_t type, const torch::Tensor& x_in) {
+// fused=false takes the plain decoders (the reference the register-level ones are tested against).
+torch::Tensor product(const torch::Tensor& w, int64_t type, const torch::Tensor& x_in, bool fused) {
   const torch::Tensor x = as_f32(x_in);
   const Format fmt = format_of(type);
   const int64_t K = x.size(0);
@@ -419,9 +436,15 @@ torch::Tensor gemv(const torch::Tensor& w, int64_t type, const torch::Tensor& x_
   const float* X = x.data_ptr<float>();
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) Y[r] = row_dot(fmt, W + r * stride, X, K);
+    for (int64_t r = begin; r < end; ++r) Y[r] = row_dot(fmt, W + r * stride, X, K, fused);
   });
   return y;
+}
+
+torch::Tensor gemv(const torch::Tensor& w, int64_t type, const torch::Tensor& x) { return product(w, type, x, true); }
+
+torch::Tensor gemv_decoded(const torch::Tensor& w, int64_t type, const torch::Tensor& x) {
+  return product(w, type, x, false);
 }
 
 // W [N, K] decoded to fp32 with the same decoders the products use (bit-identical to gguf-py).
@@ -513,6 +536,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = "portable";
 #endif
   m.def("gemv", &gemv, "y [N] = W x, W raw ggml rows [N, row bytes] of a type, x [K] fp32/bf16; fp32");
+  m.def("gemv_decoded", &gemv_decoded, "gemv through the plain block decoders: equal to gemv bit for bit");
   m.def("dequantize", &dequantize, "raw ggml rows [N, row bytes] of a type -> fp32 [N, K]");
   m.def("experts", &experts, "a wave of SwiGLU experts on one token from raw ggml rows: fp32 [n, D]");
 }
