@@ -236,7 +236,7 @@ def test_chat_streams_and_cache_view_matches_the_server(browser, tmp_path):
         def long_request() -> None:
             try:
                 httpx.post(server.url + "/v1/completions", timeout=TIMEOUT, json={
-                    "prompt": long_prompt, "max_tokens": 48, "ignore_eos": True, "cache_prompt": False})
+                    "prompt": long_prompt, "max_tokens": 200, "ignore_eos": True, "cache_prompt": False})
             finally:
                 done.set()
 
