@@ -195,6 +195,8 @@ BAD_COMPLETIONS = [
     ({"prompt": [5, 2**70]}, "prompt"),
     ({"prompt": "w1 \ud800 w2"}, "prompt"),
     ({"stop": ["\udfff"]}, "stop"),
+    ({"stop": ["w1"] * 17}, "stop"),
+    ({"stop": "w" * 1025}, "stop"),
     ({"n": 10**50}, "n"),
     ({"logprobs": {"a": 1}}, "logprobs"),
     ({"stream_options": [1]}, "stream_options"),

@@ -72,8 +72,12 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
         return JSONResponse(P.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"),
                             status_code=500)
 
+    async def json_of(request: Request) -> dict:
+        # Parsed and checked on a thread: walking a body of millions of values takes a while.
+        return await asyncio.to_thread(P.parse_json, await read_body(request, max_body_bytes))
+
     async def body_of(request: Request) -> dict:
-        body = P.parse_json(await read_body(request, max_body_bytes))
+        body = await json_of(request)
         P.check_model(body, served)
         return body
 
@@ -208,7 +212,7 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
     # ---- tokens ----
     @app.post("/tokenize", dependencies=authorized)
     async def tokenize(request: Request):
-        body = P.parse_json(await read_body(request, max_body_bytes))
+        body = await json_of(request)
         content = body.get("content")
         if not isinstance(content, str):
             raise P.ApiError(f"'content' must be a string, got {P._type_name(content)}", param="content")
@@ -225,7 +229,7 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
 
     @app.post("/detokenize", dependencies=authorized)
     async def detokenize(request: Request):
-        body = P.parse_json(await read_body(request, max_body_bytes))
+        body = await json_of(request)
         ids = P.check_token_ids(body.get("tokens"), model.cfg.vocab_size, "tokens")
         return {"content": await off_loop("tokens", model.tokenizer.decode, ids, False)}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 
@@ -46,6 +47,7 @@ MAX_DEPTH = 64
 MAX_INT_DIGITS = 40
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what the sampler's generator accepts
+MAX_STOPS, MAX_STOP_CHARS = 16, 1024  # OpenAI takes 4 stop strings; llama-server, any number
 
 
 class LongInt:
@@ -62,6 +64,10 @@ class LongInt:
     __str__ = __repr__
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_LONG_DIGITS = re.compile(rb"[0-9]{%d}" % (MAX_INT_DIGITS + 1))
+
+
 def _parse_int(text: str):
     return int(text) if len(text) <= MAX_INT_DIGITS else LongInt(text)
 
@@ -69,47 +75,67 @@ def _parse_int(text: str):
 def parse_json(raw: bytes) -> dict:
     """A request body: a JSON object, at most MAX_DEPTH deep, whose strings are valid Unicode."""
     try:
-        body = json.loads(raw, parse_int=_parse_int)
+        # The hook costs a call per integer: only a body with a long run of digits needs it.
+        body = json.loads(raw, parse_int=_parse_int) if _LONG_DIGITS.search(raw) else json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise ApiError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:
         raise ApiError(f"the request body is nested deeper than {MAX_DEPTH} levels", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, not {_type_name(body)}", code="invalid_json")
-    _check_tree(body)
+    # A lone surrogate can only come from a \\uD8xx-\\uDFxx escape (raw bytes were checked as UTF-8).
+    _check_tree(body, strings=_SURROGATE_ESCAPE.search(raw) is not None)
     return body
 
 
-def _check_tree(body: dict) -> None:
-    """Refuse nesting beyond MAX_DEPTH and strings that are not valid Unicode (lone surrogates,
-    which JSON's \\uD800 escapes can produce), naming where they are."""
-    stack = [(body, "", 1)]
+def _check_tree(body: dict, strings: bool = True) -> None:
+    """Refuse nesting beyond MAX_DEPTH and, when `strings`, strings that are not valid Unicode
+    (lone surrogates, which JSON's \\uD800 escapes can produce), naming where they are. Paths
+    are built only for an error: a body may hold millions of values."""
+    stack = [(body, (), 1)]
     while stack:
         node, where, depth = stack.pop()
         if depth > MAX_DEPTH:
-            raise ApiError(f"the request body is nested deeper than {MAX_DEPTH} levels (at '{where}')",
+            raise ApiError(f"the request body is nested deeper than {MAX_DEPTH} levels (at '{_path(where)}')",
                            param=_param(where), code="invalid_json")
-        items = node.items() if isinstance(node, dict) else enumerate(node)
+        items = node.items() if type(node) is dict else enumerate(node)
         for key, v in items:
-            path = (f"{where}.{key}" if where else key) if isinstance(key, str) else f"{where}[{key}]"
-            if isinstance(key, str):
-                _check_unicode(key, path, is_key=True)
-            if isinstance(v, str):
-                _check_unicode(v, path)
-            elif isinstance(v, dict | list):
-                stack.append((v, path, depth + 1))
+            if strings and type(key) is str and not _is_unicode(key):
+                _unicode_error(key, (*where, key), "a key")
+            t = type(v)
+            if t is str:
+                if strings and not _is_unicode(v):
+                    _unicode_error(v, (*where, key), "a string")
+            elif t is dict or t is list:
+                stack.append((v, (*where, key), depth + 1))
 
 
-def _param(path: str) -> str | None:
-    return path.split(".")[0].split("[")[0] or None
+def _path(where: tuple) -> str:
+    out = ""
+    for k in where:
+        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else k)
+    return out
 
 
-def _check_unicode(text: str, where: str, is_key: bool = False) -> None:
+def _param(where: tuple) -> str | None:
+    return where[0] if where and isinstance(where[0], str) else None
+
+
+def _is_unicode(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _unicode_error(text: str, where: tuple, what: str):
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        what = "a key" if is_key else "a string"
-        raise ApiError(f"'{where}' holds {what} that is not valid Unicode: a lone surrogate "
+        raise ApiError(f"'{_path(where)}' holds {what} that is not valid Unicode: a lone surrogate "
                        f"U+{ord(text[e.start]):04X} at character {e.start}", param=_param(where)) from None
 
 
@@ -167,14 +193,22 @@ def get_bool(body: dict, name: str, default: bool) -> bool:
 
 
 def get_stop(body: dict) -> list[str]:
+    """At most MAX_STOPS strings of at most MAX_STOP_CHARS each: every generated token is checked
+    against all of them."""
     v = body.get("stop")
     if v is None:
         return []
     if isinstance(v, str):
-        return [v]
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return v
-    raise ApiError(f"'stop' must be a string or an array of strings, got {_type_name(v)}", param="stop")
+        v = [v]
+    if not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+        raise ApiError(f"'stop' must be a string or an array of strings, got {_type_name(v)}", param="stop")
+    if len(v) > MAX_STOPS:
+        raise ApiError(f"'stop' holds {len(v)} strings; at most {MAX_STOPS} are accepted", param="stop")
+    longest = max((len(s) for s in v), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ApiError(f"'stop' holds a string of {longest} characters; at most {MAX_STOP_CHARS} are accepted",
+                       param="stop")
+    return v
 
 
 def check_model(body: dict, served: str) -> None:
