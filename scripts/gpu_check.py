@@ -24,8 +24,8 @@ import torch
 
 import expertcache
 from expertcache import CacheConfig, ExpertCacheError
-from expertcache.checkpoint.pack import pack
-from expertcache.checkpoint.synth import synth
+from expertcache.models.pack import pack
+from expertcache.models.synth import synth
 from expertcache.tiers.policy import ExpertKey, POLICIES
 
 

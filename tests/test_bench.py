@@ -15,7 +15,7 @@ import expertcache
 from expertcache.bench.cache_bench import RoutingReplay
 from expertcache.bench.speed import median_ratio
 from expertcache.bench.trace import Trace, TraceHeader
-from expertcache.checkpoint.synth import synth
+from expertcache.models.synth import synth
 from expertcache.cli import main
 from conftest import assert_one_line_error, run_cli
 

@@ -87,7 +87,7 @@ def test_experts_match_exact_swiglu_and_do_not_depend_on_the_wave(native):
 
 @pytest.mark.parametrize("rows,cols,per_row", [(1, 64, False), (1, 100, False), (6, 16, True)])
 def test_rms_norm_matches_torch(native, rows, cols, per_row):
-    from expertcache.models.layers import rms_norm
+    rms_norm = kernels.TorchKernels().rms_norm
 
     x = bf16(rows, cols, seed=rows + cols)
     w = bf16(*((rows, cols) if per_row else (cols,)), seed=7, scale=0.5)
@@ -171,7 +171,7 @@ def test_decode_bitwise_identical_across_cache_modes(checkpoint, native_referenc
 
 
 def test_decode_of_a_packed_checkpoint_is_the_same(checkpoint, native_reference, tmp_path):
-    from expertcache.checkpoint.pack import pack
+    from expertcache.models.pack import pack
 
     packed = pack(checkpoint, tmp_path / "packed", progress=False)
     for cache in (CacheConfig(mode="resident"), CacheConfig(mode="cache", experts=5, store="disk")):
@@ -189,7 +189,7 @@ def test_native_decode_is_close_to_torch_and_takes_the_native_path(checkpoint, n
                 return getattr(kernels.load_native(), name)(*args)
             return call
 
-    monkeypatch.setattr(model.net, "native", Counting())
+    monkeypatch.setattr(model.kernels, "native", Counting())
     assert torch.equal(decode_logits(model), native_reference)
     session = model.new_session()
     model.prefill(session, PROMPT)
@@ -200,7 +200,7 @@ def test_native_decode_is_close_to_torch_and_takes_the_native_path(checkpoint, n
     # two norms; then the final norm and the lm head.
     assert calls == {"gemv": 3 * 3 + 1, "experts": 3, "attend": 3, "rms_norm": 3 * 2 + 1}
     torch_model = expertcache.load(checkpoint)
-    assert torch_model.net.native is None
+    assert torch_model.kernels.native is None
     torch_logits = decode_logits(torch_model)
     scale = torch_logits.float().abs().max()
     assert (torch_logits.float() - native_reference.float()).abs().max() <= 0.05 * scale
@@ -212,7 +212,54 @@ def test_another_models_kernels_do_not_leak(checkpoint, native_reference):
     native_model = expertcache.load(checkpoint, kernels="native")
     assert torch.equal(decode_logits(native_model), native_reference)
     assert torch.equal(decode_logits(torch_model), expected)
-    assert kernels.active is None
+    # Each model holds its own kernel set; no process-wide switch exists for one to leave behind.
+    assert torch_model.kernels.name == "torch" and native_model.kernels.name == "native"
+    assert not any(isinstance(v, kernels.Kernels) for v in vars(kernels).values())
+
+
+def test_a_reload_keeps_the_native_kernels(checkpoint, tmp_path, monkeypatch):
+    import shutil
+
+    work = tmp_path / "model"
+    shutil.copytree(checkpoint, work)
+    model = expertcache.load(work, kernels="native", cache=CacheConfig(mode="cache", experts=5))
+    decode_logits(model)
+    # The checkpoint is replaced by other weights of the same shapes: the next call reloads.
+    new = tmp_path / "new"
+    shutil.copytree(checkpoint, new)
+    _perturb(new / "model.safetensors")
+    (work / "model.safetensors").unlink()
+    shutil.copy(new / "model.safetensors", work / "model.safetensors")
+    calls = {"experts": 0}
+    real = model.kernels.native
+
+    class Counting:
+        def __getattr__(self, name):
+            fn = getattr(real, name)
+            if name != "experts":
+                return fn
+
+            def call(*args):
+                calls["experts"] += 1
+                return fn(*args)
+            return call
+
+    monkeypatch.setattr(model.kernels, "native", Counting())
+    model.begin_call()
+    got = decode_logits(model)
+    assert model.kernels.name == "native" and calls["experts"] > 0
+    assert torch.equal(got, decode_logits(expertcache.load(new, kernels="native")))
+    assert model.telemetry()["invalidations"]["source"] > 0
+
+
+def _perturb(path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    for name, t in tensors.items():
+        if t.is_floating_point() and t.dim() >= 2:
+            tensors[name] = (t.float() * 1.5).to(t.dtype)
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def test_cli_runs_with_native_kernels(capsys):
@@ -222,7 +269,7 @@ def test_cli_runs_with_native_kernels(capsys):
 
 @pytest.mark.parametrize("argv,needles", [
     (["--kernels", "native", "--dtype", "float32"], ["--kernels native", "float32", "bfloat16"]),
-    (["--kernels", "native", "--device", "meta"], ["--kernels native", "meta", "cpu"]),
+    (["--kernels", "native", "--device", "meta"], ["meta", "cpu"]),
     (["--kernels", "fast"], ["--kernels", "fast"]),
 ])
 def test_bad_kernel_choices(capsys, argv, needles):

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import expertcache
 from expertcache import CacheConfig
-from expertcache.checkpoint.synth import synth
+from expertcache.models.synth import synth
 from expertcache.models.moe import moe_experts, route
 
 MODES = [CacheConfig(mode="resident"), CacheConfig(mode="staging"), CacheConfig(mode="staging", experts=2),
@@ -46,8 +46,8 @@ def test_moe_op_matches_plain_reference(tmp_path, experts, top_k):
         results = []
         for cache in MODES:
             model = expertcache.load(d, cache=cache)
-            r = route(x, router, top_k, True)
-            results.append(moe_experts(x, r, model.experts, 0))
+            r = route(model.kernels, x, router, top_k, True)
+            results.append(moe_experts(model.kernels, x, r, model.experts, 0))
         for cache, y in zip(MODES, results):
             torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5, msg=f"{cache} T={T}")
             assert torch.equal(y, results[0]), f"{cache} T={T} differs bitwise from resident"

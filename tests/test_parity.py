@@ -128,7 +128,7 @@ def test_half_precision_checkpoints(tiny_checkpoint, dtype):
     ids = ids_of(16)
     # Default compute dtype is the checkpoint's.
     model = expertcache.load(d)
-    assert model.net.dtype == dtype and model.net.embed.dtype == dtype
+    assert model.net.dtype == dtype and model.net.weights.embed.dtype == dtype
     ours = model.logits(ids)
     assert ours.dtype == dtype
     with torch.no_grad():

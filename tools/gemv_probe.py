@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from expertcache.commands.common import positive_int  # noqa: E402
+from expertcache.flags import positive_int  # noqa: E402
 from expertcache.errors import ExpertCacheError  # noqa: E402
 from expertcache.kernels import load_native  # noqa: E402
 from expertcache.memory import host_zeros  # noqa: E402

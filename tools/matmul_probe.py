@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from expertcache.commands.common import positive_int  # noqa: E402
+from expertcache.flags import positive_int  # noqa: E402
 from expertcache.memory import host_copy  # noqa: E402
 
 K, N, MATRICES = 2048, 1536, 16

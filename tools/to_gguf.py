@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from expertcache.checkpoint.loader import ExpertSource, open_checkpoint  # noqa: E402
+from expertcache.models.loader import open_model  # noqa: E402
 
 
 def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, object]:
@@ -38,7 +38,8 @@ def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, object]:
 def convert(model_dir: Path, out: Path) -> None:
     import gguf
 
-    cfg, _, ckpt, layout = open_checkpoint(model_dir)
+    m = open_model(model_dir)
+    cfg, ckpt = m.cfg, m.ckpt
     if cfg.model_type != "qwen3_moe" or any(not s for s in cfg.sparse_layers):
         raise SystemExit("to_gguf: only Qwen3-MoE checkpoints with every layer sparse are supported")
     arch = gguf.MODEL_ARCH.QWEN3MOE
@@ -92,10 +93,10 @@ def convert(model_dir: Path, out: Path) -> None:
         # llama.cpp adds norm weights to f32 activations: vectors are stored in f32.
         arr, kind = to_numpy(t.float() if t.ndim == 1 else t)
         w.add_tensor(gname, arr, raw_dtype=kind)
-    src = ExpertSource(ckpt, cfg, layout)
+    src = m.experts
     D, I = cfg.hidden_size, cfg.moe_intermediate_size
     for layer in cfg.moe_layers:
-        rows = torch.stack([src.read(layer, e) for e in range(cfg.num_experts)])  # [E, 3*I*D]
+        rows = torch.stack([src.read(layer, e).view(src.dtype) for e in range(cfg.num_experts)])  # [E, 3*I*D]
         parts = {"gate_proj": rows[:, : I * D].reshape(-1, I, D), "up_proj": rows[:, I * D: 2 * I * D].reshape(-1, I, D),
                  "down_proj": rows[:, 2 * I * D:].reshape(-1, D, I)}
         for part, t in parts.items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from .commands.common import Parser
+from .flags import Parser
 from .commands.args import check_device
 from .errors import ExpertCacheError
 

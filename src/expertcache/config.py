@@ -1,20 +1,19 @@
-"""Model and cache configuration: plain dataclasses that validate themselves.
+"""Model and cache configuration: frozen dataclasses that validate themselves.
 
-`ModelConfig.from_hf` reads a Hugging Face config.json as transformers 4.x and 5.x write it and
-normalises the names that differ between families (experts, intermediate sizes, rope settings).
+`ModelConfig` describes a model in one architecture-neutral vocabulary; each architecture maps
+its own config keys onto it (`models/`). `CacheConfig` says how experts are held. Both are checked
+completely when built, before any weight is read.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .errors import ExpertCacheError
-
-SUPPORTED_ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -106,7 +105,12 @@ class RopeConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """One architecture-neutral description of a decoder-only MoE model."""
+    """One architecture-neutral description of a decoder-only MoE model.
+
+    Each architecture maps its own config keys onto these fields (`models/`); nothing here knows
+    a family. Values are checked when the config is built, so a checkpoint with nonsense in it
+    fails before any weight is read.
+    """
 
     model_type: str
     vocab_size: int
@@ -135,11 +139,16 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     hidden_act: str = "silu"
+    router_weights_fp32: bool = False  # Mixtral keeps the top-k routing weights in fp32
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_ARCHITECTURES:
-            raise ExpertCacheError(
-                f"unsupported model_type {self.model_type!r}: supported are {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "num_experts", "top_k", "moe_intermediate_size", "max_position"):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("intermediate_size", "shared_expert_intermediate_size"):
+            _check_int(name, getattr(self, name), 0)
+        if not (isinstance(self.rms_norm_eps, float) and 0 < self.rms_norm_eps < 1):
+            raise ExpertCacheError(f"rms_norm_eps {self.rms_norm_eps!r} must be a number in (0, 1)")
         if self.num_heads % self.num_kv_heads:
             raise ExpertCacheError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
@@ -147,95 +156,35 @@ class ModelConfig:
             raise ExpertCacheError(f"num_experts_per_tok {self.top_k} must be between 1 and {self.num_experts}")
         if self.hidden_act != "silu":
             raise ExpertCacheError(f"unsupported hidden_act {self.hidden_act!r}: expected 'silu'")
+        if self.qk_norm not in ("none", "head", "full"):
+            raise ExpertCacheError(f"qk_norm {self.qk_norm!r}: expected none, head or full")
+        if len(self.sparse_layers) != self.num_layers:
+            raise ExpertCacheError(f"{len(self.sparse_layers)} layer kinds for {self.num_layers} layers")
+        if not any(self.sparse_layers):
+            raise ExpertCacheError("no MoE layer: every layer is dense (mlp_only_layers, decoder_sparse_step)")
+        if any(not s for s in self.sparse_layers) and self.intermediate_size < 1:
+            raise ExpertCacheError("intermediate_size must be at least 1 when some layers are dense")
+        if self.sliding_window is not None:
+            _check_int("sliding_window", self.sliding_window, 1)
+        if self.clip_qkv is not None and not (isinstance(self.clip_qkv, float) and self.clip_qkv > 0):
+            raise ExpertCacheError(f"clip_qkv {self.clip_qkv!r} must be a positive number")
+        for t in self.eos_token_id:
+            if not (isinstance(t, int) and 0 <= t < self.vocab_size):
+                raise ExpertCacheError(f"eos_token_id {t!r} is not a token id of the vocabulary of {self.vocab_size}")
+        if self.bos_token_id is not None and not (isinstance(self.bos_token_id, int)
+                                                  and 0 <= self.bos_token_id < self.vocab_size):
+            raise ExpertCacheError(
+                f"bos_token_id {self.bos_token_id!r} is not a token id of the vocabulary of {self.vocab_size}")
 
     @property
     def moe_layers(self) -> list[int]:
         return [i for i, sparse in enumerate(self.sparse_layers) if sparse]
 
-    @property
-    def expert_numel(self) -> int:
-        """Elements in one expert: gate and up [I, H] each, down [H, I]."""
-        return 3 * self.hidden_size * self.moe_intermediate_size
 
-    @classmethod
-    def from_hf(cls, raw: dict, where: str = "config.json") -> ModelConfig:
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ExpertCacheError(
-                f"{where}: unsupported model_type {model_type!r}: supported are {', '.join(SUPPORTED_ARCHITECTURES)}")
-        try:
-            return _from_hf(model_type, raw)
-        except KeyError as e:
-            raise ExpertCacheError(f"{where}: missing required field {e.args[0]!r} for {model_type}") from None
-        except (TypeError, ValueError) as e:
-            raise ExpertCacheError(f"{where}: invalid value: {e}") from None
-
-
-def _from_hf(model_type: str, raw: dict) -> ModelConfig:
-    hidden = int(raw["hidden_size"])
-    heads = int(raw["num_attention_heads"])
-    kv_heads = int(raw.get("num_key_value_heads") or heads)
-    head_dim = int(raw.get("head_dim") or hidden // heads)
-    layers = int(raw["num_hidden_layers"])
-    max_position = int(raw.get("max_position_embeddings", 4096))
-    # transformers 5.x writes num_local_experts for every family; 4.x wrote num_experts for Qwen/OLMoE.
-    n_experts = raw.get("num_experts", raw.get("num_local_experts"))
-    if n_experts is None:
-        raise KeyError("num_experts")
-    if model_type == "mixtral":
-        experts, moe_inter, dense_inter = int(n_experts), int(raw["intermediate_size"]), 0
-        norm_topk = True  # Mixtral always renormalises the top-k probabilities
-    elif model_type == "olmoe":
-        experts, moe_inter, dense_inter = int(n_experts), int(raw["intermediate_size"]), 0
-        norm_topk = bool(raw.get("norm_topk_prob", False))
-    else:
-        experts, moe_inter = int(n_experts), int(raw["moe_intermediate_size"])
-        dense_inter = int(raw.get("intermediate_size") or 0)
-        norm_topk = bool(raw.get("norm_topk_prob", False))
-    if model_type in ("qwen3_moe", "qwen2_moe"):
-        mlp_only = set(raw.get("mlp_only_layers") or [])
-        step = int(raw.get("decoder_sparse_step", 1) or 1)
-        sparse = tuple(i not in mlp_only and experts > 0 and (i + 1) % step == 0 for i in range(layers))
-    else:
-        sparse = (True,) * layers
-    eos = raw.get("eos_token_id")
-    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-    dtype = parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32", "checkpoint dtype")
-    sliding = None
-    if model_type == "mixtral":
-        sliding = raw.get("sliding_window")
-    elif raw.get("use_sliding_window"):
-        sliding = raw.get("sliding_window")
-    return ModelConfig(
-        model_type=model_type,
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        num_experts=experts,
-        top_k=int(raw["num_experts_per_tok"]),
-        moe_intermediate_size=moe_inter,
-        intermediate_size=dense_inter,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position=max_position,
-        rope=RopeConfig.from_hf(raw, max_position),
-        norm_topk_prob=norm_topk,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=bool(raw.get("qkv_bias", True)) if model_type == "qwen2_moe" else bool(raw.get("attention_bias", False)),
-        o_bias=bool(raw.get("attention_bias", False)) if model_type in ("qwen3_moe", "olmoe") else False,
-        qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(model_type, "none"),
-        clip_qkv=raw.get("clip_qkv") if model_type == "olmoe" else None,
-        sparse_layers=sparse,
-        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0)
-        if model_type == "qwen2_moe" else 0,
-        sliding_window=int(sliding) if sliding else None,
-        dtype=dtype,
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=eos,
-        hidden_act=raw.get("hidden_act", "silu"),
-    )
+def _check_int(name: str, value, minimum: int) -> None:
+    # bool is an int to Python, and 256.0 or "256" in a config is a writer's bug worth naming.
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ExpertCacheError(f"{name} {value!r} must be an integer >= {minimum}")
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
@@ -255,55 +204,67 @@ def parse_size(text: str) -> int:
 
 CACHE_MODES = ("cache", "resident", "staging")
 STORES = ("ram", "mmap", "disk")
+# The eviction policies by name; `tiers.policy` implements each (a test checks the two agree).
+POLICY_NAMES = ("lru", "lfu", "s3fifo", "arc", "lrfu")
+DEFAULT_POLICY = "lrfu"
 
 
-def _default_policy() -> str:
-    # Imported when a config is made: importing the tiers package here would be circular.
-    from .tiers.policy import DEFAULT_POLICY
-
-    return DEFAULT_POLICY
-
-
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class CacheConfig:
     """How experts are held: every expert resident, a slot cache over a slow tier, or staging.
 
-    At most one of `experts` (slots in total), `mem` (bytes or a size string) and `fraction` (of all
-    experts) sizes the cache; with none of them the cache holds every expert.
+    At most one of `experts` (slots in total), `mem` (bytes, or a size string such as '2GiB') and
+    `fraction` (of all experts) sizes the cache; with none of them the cache holds every expert.
+    The config is complete and checked when built, before any weight is read. `mode=None` picks
+    the mode from the other fields: `cache` when a size, another store or `verify` is given,
+    `resident` otherwise. `trace_every` > 0 prints a counter line on stderr every that many ops.
     """
 
-    mode: str = "cache"
+    mode: str | None = None
     experts: int | None = None
     mem: int | str | None = None
     fraction: float | None = None
-    policy: str = field(default_factory=_default_policy)
+    policy: str = DEFAULT_POLICY
     store: str = "ram"
     verify: bool = False
-    extra: dict = field(default_factory=dict)
+    trace_every: int = 0
 
     def __post_init__(self) -> None:
+        given = [n for n in ("experts", "mem", "fraction") if getattr(self, n) is not None]
+        if self.mode is None:
+            implied = "cache" if given or self.store != "ram" or self.verify else "resident"
+            object.__setattr__(self, "mode", implied)
         if self.mode not in CACHE_MODES:
             raise ExpertCacheError(f"unknown cache mode {self.mode!r}: expected one of {', '.join(CACHE_MODES)}")
         if self.store not in STORES:
             raise ExpertCacheError(f"unknown store {self.store!r}: expected one of {', '.join(STORES)}")
-        given = [n for n in ("experts", "mem", "fraction") if getattr(self, n) is not None]
+        if self.policy not in POLICY_NAMES:
+            raise ExpertCacheError(f"unknown cache policy {self.policy!r}: expected one of {', '.join(POLICY_NAMES)}")
         if len(given) > 1:
             raise ExpertCacheError(f"cache size given twice ({' and '.join(given)}): give one of experts, mem, fraction")
         if isinstance(self.mem, str):
-            self.mem = parse_size(self.mem)
-        if self.experts is not None and self.experts < 1:
-            raise ExpertCacheError(f"cache experts {self.experts} must be at least 1")
-        if self.fraction is not None and not 0 < self.fraction <= 1:
-            raise ExpertCacheError(f"cache fraction {self.fraction} must be in (0, 1]")
+            object.__setattr__(self, "mem", parse_size(self.mem))
+        if self.mem is not None and (isinstance(self.mem, bool) or not isinstance(self.mem, int) or self.mem < 1):
+            raise ExpertCacheError(f"cache mem {self.mem!r} must be a positive number of bytes")
+        if self.experts is not None and (isinstance(self.experts, bool) or not isinstance(self.experts, int)
+                                         or self.experts < 1):
+            raise ExpertCacheError(f"cache experts {self.experts!r} must be an integer >= 1")
+        if self.fraction is not None and not (isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1):
+            raise ExpertCacheError(f"cache fraction {self.fraction!r} must be in (0, 1]")
+        _check_int("trace_every", self.trace_every, 0)
 
-    def slots_for(self, total_experts: int, expert_bytes: int) -> int:
-        """Slots in the pool for a model with `total_experts` experts of `expert_bytes` each."""
+    @property
+    def sized(self) -> bool:
+        return any(v is not None for v in (self.experts, self.mem, self.fraction))
+
+    def slots_for(self, total_experts: int, slot_bytes: int) -> int:
+        """Slots in the pool for a model with `total_experts` experts in slots of `slot_bytes`."""
         if self.mode == "resident":
             return total_experts
         if self.experts is not None:
             return min(self.experts, total_experts)
         if self.mem is not None:
-            return min(int(self.mem) // expert_bytes, total_experts)
+            return min(int(self.mem) // slot_bytes, total_experts)
         if self.fraction is not None:
             return max(1, min(total_experts, math.floor(self.fraction * total_experts + 1e-9)))
         return total_experts

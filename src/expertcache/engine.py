@@ -16,9 +16,13 @@ import torch
 
 from .config import CacheConfig, ModelConfig, parse_dtype
 from .errors import ExpertCacheError
+from .kernels import Kernels
 from .kernels import select as select_kernels
-from .models.base import MoEModel
+from .models.decoder import Decoder
 from .models.layers import KVCache
+from .models.loader import load_dense, open_model
+from .tiers import build_experts, make_store_for
+from .tiers.cache import ExpertCache
 from .sampling import Sampler, SamplingParams
 from .tokenizer import StreamDecoder, Tokenizer
 
@@ -64,25 +68,39 @@ class GenerationResult:
                 "predicted_per_second": self.gen_tps}
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """Everything a model was loaded with; a reload after the checkpoint changes uses the same."""
+
+    device: torch.device
+    dtype: torch.dtype | None  # None: the checkpoint's
+    cache: CacheConfig
+    ctx_size: int | None
+    kernels: str
+
+
 class Model:
     """A loaded model: `logits`, `generate`, `chat`, and the tokenizer."""
 
-    def __init__(self, path: Path, cfg: ModelConfig, net: MoEModel, tokenizer: Tokenizer | None,
-                 ctx_size: int, experts):
-        self.path, self.cfg, self.net, self.tokenizer = path, cfg, net, tokenizer
-        self.ctx_size = ctx_size
-        self.experts = experts  # the expert provider (resident table or cache)
+    def __init__(self, path: Path, options: LoadOptions, cfg: ModelConfig, net: Decoder,
+                 tokenizer: Tokenizer | None, experts: ExpertCache):
+        self.path, self.options, self.cfg, self.net, self.tokenizer = path, options, cfg, net, tokenizer
+        self.ctx_size = options.ctx_size or cfg.max_position
+        self.experts = experts  # the expert provider: the slot cache over the slow tier
         self.eos_ids = set(cfg.eos_token_id)
         if tokenizer is not None and tokenizer.eos_id is not None:
             self.eos_ids.add(tokenizer.eos_id)
+
+    @property
+    def kernels(self) -> Kernels:
+        return self.net.kernels
 
     # ---- state ----
     def new_session(self) -> Session:
         return Session(self.net.new_kv(self.ctx_size))
 
     def telemetry(self) -> dict:
-        fn = getattr(self.experts, "telemetry", None)
-        return fn() if fn else {}
+        return self.experts.telemetry()
 
     def resize_cache(self, cache: CacheConfig) -> None:
         """Reallocate the expert cache at another size or mode; its slots are invalidated (reason `pool`)."""
@@ -96,17 +114,10 @@ class Model:
             self._reload()
 
     def _reload(self) -> None:
-        from .checkpoint.loader import ExpertSource, load_dense, open_checkpoint
-        from .tiers import make_store_for
-
-        cfg, arch, ckpt, layout = open_checkpoint(self.path)
-        dtype, device = self.net.dtype, self.net.device
-        embed, norm, lm_head, layers = load_dense(ckpt, cfg, layout, device, dtype)
-        source = ExpertSource(ckpt, cfg, layout)
-        self.experts.set_store(make_store_for(source, self.experts.config, device, dtype))
-        net = MoEModel(cfg, arch, embed, norm, lm_head, layers, self.experts, device, dtype)
-        net.routing_hook, net.routing_override = self.net.routing_hook, self.net.routing_override
-        self.cfg, self.net = cfg, net
+        old = self.net
+        self.cfg, self.net, _ = _assemble(self.path, self.options, old.kernels, self.experts)
+        self.net.routing_hook, self.net.routing_override, self.net.timer = (
+            old.routing_hook, old.routing_override, old.timer)
 
     # ---- forwards ----
     def logits(self, token_ids) -> torch.Tensor:
@@ -242,25 +253,52 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
          ctx_size: int | None = None, threads: int | None = None, kernels: str = "torch") -> Model:
     """Load a Hugging Face MoE checkpoint directory (the bundled model when `path` is None).
 
-    `kernels="native"` runs a bf16 decode step on the CPU through the native kernels (see `kernels`)."""
-    from .checkpoint.loader import ExpertSource, load_dense, open_checkpoint
-    from .tiers import build_experts
-
+    `threads` sets torch's CPU threads (None leaves them as they are). `kernels="native"` runs a
+    bf16 decode step on the CPU through the native kernels (see `kernels`). Every argument is
+    checked before a weight is read."""
     if threads is not None:
-        if threads < 1:
-            raise ExpertCacheError(f"threads {threads} must be at least 1")
-        torch.set_num_threads(threads)
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ExpertCacheError(f"threads {threads!r} must be an integer >= 1")
+    if ctx_size is not None and (isinstance(ctx_size, bool) or not isinstance(ctx_size, int) or ctx_size < 1):
+        raise ExpertCacheError(f"ctx-size {ctx_size!r} must be an integer >= 1")
+    if cache is not None and not isinstance(cache, CacheConfig):
+        raise ExpertCacheError(f"cache must be a CacheConfig, got {type(cache).__name__}")
+    options = LoadOptions(_device(device), parse_dtype(dtype), cache or CacheConfig(), ctx_size, kernels)
     path = Path(path) if path is not None else default_model_path()
-    device = torch.device(device)
-    cfg, arch, ckpt, layout = open_checkpoint(path)
-    compute_dtype = parse_dtype(dtype) or cfg.dtype
-    native = select_kernels(kernels, device, compute_dtype)  # before the weights: a bad choice costs nothing
-    if ctx_size is not None and ctx_size < 1:
-        raise ExpertCacheError(f"ctx-size {ctx_size} must be at least 1")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    cfg, net, experts = _assemble(path, options, None, None)
     tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
-    embed, norm, lm_head, layers = load_dense(ckpt, cfg, layout, device, compute_dtype)
-    source = ExpertSource(ckpt, cfg, layout)
-    experts = build_experts(source, cache or CacheConfig(mode="resident"), device, compute_dtype)
-    net = MoEModel(cfg, arch, embed, norm, lm_head, layers, experts, device, compute_dtype)
-    net.native = native
-    return Model(path, cfg, net, tokenizer, ctx_size or cfg.max_position, experts)
+    return Model(path, options, cfg, net, tokenizer, experts)
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ExpertCacheError(f"unknown device {device!r}: expected cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ExpertCacheError(f"device {device!r} is not available: torch sees no CUDA device here")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ExpertCacheError(f"device {device!r} does not exist: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ExpertCacheError(f"device {device!r} is not supported: expected cpu, cuda or cuda:N")
+    return dev
+
+
+def _assemble(path: Path, options: LoadOptions, kernels: Kernels | None,
+              experts: ExpertCache | None) -> tuple[ModelConfig, Decoder, ExpertCache]:
+    """Open the checkpoint at `path` and build its decoder. A first load builds the kernels and
+    the expert cache; a reload keeps them and hands the cache the new slow tier, which
+    invalidates exactly the slots that went stale."""
+    opened = open_model(path)
+    dtype = options.dtype or opened.cfg.dtype
+    if kernels is None:  # before the weights: a bad choice costs nothing
+        kernels = select_kernels(options.kernels, options.device, dtype)
+    dense = load_dense(opened, options.device, dtype)
+    if experts is None:
+        experts = build_experts(opened.experts, options.cache, options.device, dtype)
+    else:
+        experts.set_store(make_store_for(opened.experts, experts.config, options.device, dtype))
+    net = Decoder(opened.cfg, dense, experts, kernels, options.device, dtype)
+    return opened.cfg, net, experts

@@ -6,7 +6,7 @@ Copies made while loading or resizing are counted apart (`load_*`), never in the
 
 from __future__ import annotations
 
-import os
+import resource
 import sys
 import time
 from collections import Counter
@@ -20,7 +20,10 @@ INVALIDATION_REASONS = ("source", "dtype", "shape", "expert_count", "pool")
 
 
 class Telemetry:
-    def __init__(self, expert_bytes: int):
+    """`expert_bytes` maps each MoE layer to the bytes of one of its experts (layers of a
+    quantized file may differ). `trace_every` > 0 prints `line()` on stderr every that many ops."""
+
+    def __init__(self, expert_bytes: dict[int, int], trace_every: int = 0):
         self.expert_bytes = expert_bytes
         self.layers: dict[int, Counter] = {}
         self.invalidations: Counter = Counter({r: 0 for r in INVALIDATION_REASONS})
@@ -29,8 +32,7 @@ class Telemetry:
         self.load_copied_experts = 0
         self.load_copied_bytes = 0
         self.copy_seconds = 0.0  # wall time spent issuing copies (on a CPU: doing them)
-        self.trace = os.environ.get("EXPERTCACHE_CACHE_TRACE") == "1"
-        self.trace_every = max(1, int(os.environ.get("EXPERTCACHE_CACHE_TRACE_EVERY", "100") or 100))
+        self.trace_every = trace_every
         self._ops = 0
 
     def op(self, layer: int, used: int, loaded_before: int, hits: int, copied: int, ranges: int,
@@ -44,15 +46,16 @@ class Telemetry:
         c["resident_hits"] += hits
         c["resident_misses"] += used - hits
         c["copied_experts"] += copied
-        c["copied_bytes"] += copied * self.expert_bytes
+        size = self.expert_bytes[layer]
+        c["copied_bytes"] += copied * size
         c["copy_ranges"] += ranges
         c["skipped_experts"] += hits
-        c["skipped_bytes"] += hits * self.expert_bytes
+        c["skipped_bytes"] += hits * size
         c["empty_copy_ops"] += copied == 0
         c["evictions"] += evictions
         c["waves"] += waves
         self._ops += 1
-        if self.trace and self._ops % self.trace_every == 0:
+        if self.trace_every and self._ops % self.trace_every == 0:
             print(self.line(), file=sys.stderr, flush=True)
 
     def total(self) -> dict:
@@ -103,3 +106,8 @@ class StepTimer:
         now = time.perf_counter()
         self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
         self._last = now
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

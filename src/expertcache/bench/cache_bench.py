@@ -78,7 +78,7 @@ def run_one(spec: dict) -> dict:
         return spec["decode"]
 
     dec = phase(decode)
-    from ..commands.common import peak_rss_bytes
+    from ..telemetry import peak_rss_bytes
 
     tel = model.telemetry()
     return {"mode": spec["mode"], "store": spec["store"], "fraction": spec.get("fraction"),
@@ -155,10 +155,10 @@ def table(rows: list[dict]) -> str:
 
 
 def cmd_bench_cache(args) -> int:
-    from ..checkpoint.loader import open_checkpoint
+    from ..models.loader import open_model
     from ..errors import ExpertCacheError
 
-    open_checkpoint(args.model)  # bad paths fail here, with one line
+    open_model(args.model)  # bad paths fail here, with one line
     for s in args.stores.split(","):
         if s not in ("ram", "mmap", "disk"):
             raise ExpertCacheError(f"unknown store {s!r} in --stores: expected ram, mmap, disk")
@@ -190,7 +190,7 @@ def _fractions(text: str) -> list[float]:
 
 
 def add_parser(suites) -> None:
-    from ..commands.common import add_kernels_flag, positive_int
+    from ..flags import add_kernels_flag, positive_int
 
     p = suites.add_parser("cache", help="resident vs staging vs cache at several capacities and slow tiers")
     p.add_argument("-m", "--model", required=True, help="checkpoint (use `expertcache synth` for real sizes)")

@@ -391,7 +391,7 @@ def cmd_bench_serve(args) -> int:
 
 
 def add_parser(suites) -> None:
-    from ..commands.common import add_cache_flags, add_kernels_flag, positive_int
+    from ..flags import add_cache_flags, add_kernels_flag, positive_int
 
     p = suites.add_parser("serve", help="measure an OpenAI-compatible server: steady, prefill or turns")
     p.add_argument("--suite", choices=SUITE_NAMES, required=True)

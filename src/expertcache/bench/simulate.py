@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from itertools import combinations
 
-from expertcache.tiers.policy import Belady, ExpertKey, Policy, make_policy
-from expertcache.tiers.residency import Residency
+from ..tiers.policy import Belady, ExpertKey, Policy, make_policy
+from ..tiers.residency import Residency
 
 Op = tuple[int, Sequence[int]]  # (layer, sorted distinct expert ids)
 

@@ -77,9 +77,9 @@ def measure_matmul_rate(hidden: int, inter: int, dtype: torch.dtype) -> float:
 
 def weight_bytes_per_token(model) -> dict:
     """Bytes of weights one decode step reads: dense parts, top-k experts per MoE layer, LM head."""
-    cfg, net = model.cfg, model.net
+    cfg, w = model.cfg, model.net.weights
     dense = 0
-    for lw in net.layers:
+    for lw in w.layers:
         a = lw.attn
         dense += sum(t.numel() * t.element_size() for t in (a.qkv, a.o))
         if lw.router is not None:
@@ -87,8 +87,8 @@ def weight_bytes_per_token(model) -> dict:
         for mlp in (lw.dense, lw.shared):
             if mlp is not None:
                 dense += (mlp.gate_up.numel() + mlp.down.numel()) * mlp.down.element_size()
-    experts = len(cfg.moe_layers) * cfg.top_k * model.experts.expert_bytes
-    head = net.lm_head.numel() * net.lm_head.element_size()
+    experts = cfg.top_k * sum(model.experts.expert_bytes.values())
+    head = w.lm_head.numel() * w.lm_head.element_size()
     return {"dense": dense, "experts": experts, "lm_head": head, "total": dense + experts + head}
 
 
@@ -171,9 +171,10 @@ def overhead_profile(model, prompt: list[int], n: int = 16) -> dict:
         return out
 
     residency.plan = timed_plan
-    native = model.net.native
+    kernels = model.kernels
+    native = kernels.native
     if native is not None:
-        model.net.native = _Profiled(native)
+        kernels.native = _Profiled(native)
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t = time.perf_counter()
@@ -182,7 +183,8 @@ def overhead_profile(model, prompt: list[int], n: int = 16) -> dict:
             wall = time.perf_counter() - t
     finally:
         del residency.plan
-        model.net.native = native
+        if native is not None:
+            kernels.native = native
     mm = sum(e.self_cpu_time_total for e in prof.key_averages()
              if e.key in MATRIX_OPS) / 1e6
     step = wall / n
@@ -380,9 +382,9 @@ def table(out: dict) -> str:
 
 
 def cmd_bench_speed(args) -> int:
-    from ..checkpoint.loader import open_checkpoint
+    from ..models.loader import open_model
 
-    open_checkpoint(args.model)
+    open_model(args.model)
     if args.vs_llamacpp:
         check_gguf(args.vs_llamacpp)
         llama_class()
@@ -393,7 +395,7 @@ def cmd_bench_speed(args) -> int:
 
 
 def add_parser(suites) -> None:
-    from ..commands.common import add_kernels_flag, positive_int
+    from ..flags import add_kernels_flag, positive_int
     from .cache_bench import _fractions
 
     p = suites.add_parser("speed", help="decode/prefill speed, time split, bandwidth and FLOP/s vs the machine")

@@ -103,7 +103,7 @@ class TraceRecorder:
     def for_model(cls, model, meta: dict | None = None) -> TraceRecorder:
         cfg = model.cfg
         return cls(TraceHeader(cfg.num_experts, cfg.num_layers, tuple(cfg.moe_layers), cfg.top_k,
-                               int(model.experts.expert_bytes), str(model.path), dict(meta or {})))
+                               max(model.experts.expert_bytes.values()), str(model.path), dict(meta or {})))
 
     def __call__(self, layer: int, routing) -> None:
         # A copy, so that nothing the forward does later can change what was recorded; no host

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-from .common import Parser
+from ..flags import Parser
 
 # Modules under `expertcache.bench` that each have `add_parser(bench_subparsers)`.
 SUITES = ("cache_bench", "serve", "speed")

@@ -1,8 +1,8 @@
-"""`expertcache pack`: write an expert-major checkpoint (see `expertcache.checkpoint.pack`)."""
+"""`expertcache pack`: write an expert-major checkpoint (see `expertcache.models.pack`)."""
 
 from __future__ import annotations
 
-from ..checkpoint.pack import pack
+from ..models.pack import pack
 
 
 def cmd_pack(args) -> int:

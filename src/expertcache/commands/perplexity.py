@@ -11,7 +11,9 @@ import sys
 from ..config import CACHE_MODES
 from ..errors import ExpertCacheError
 from ..perplexity import PerplexityResult, first_difference, num_chunks, perplexity, perplexity_bos_id
-from .common import add_cache_flags, add_model_flags, cache_config, peak_rss_bytes, positive_int, read_text_file
+from ..flags import add_cache_flags, cache_config, positive_int
+from ..telemetry import peak_rss_bytes
+from .common import add_model_flags, read_text_file
 
 
 def cmd_perplexity(args) -> int:

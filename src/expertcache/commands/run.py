@@ -9,7 +9,9 @@ from pathlib import Path
 from ..errors import ExpertCacheError
 from ..sampling import SamplingParams
 from .args import finite_float, seed
-from .common import add_cache_flags, add_model_flags, load_model, nonneg_int, peak_rss_bytes, read_text_file
+from ..flags import add_cache_flags, nonneg_int
+from ..telemetry import peak_rss_bytes
+from .common import add_model_flags, load_model, read_text_file
 
 
 def cmd_run(args) -> int:
@@ -90,25 +92,28 @@ def _chat_loop(model, gen, args) -> int:
 
 
 def cmd_info(args) -> int:
-    from ..checkpoint.loader import ExpertSource, expected_shapes, open_checkpoint
+    from ..models.loader import expected_shapes, open_model
 
-    cfg, arch, ckpt, layout = open_checkpoint(args.model or _default_model())
-    shapes = expected_shapes(cfg, layout)
+    m = open_model(args.model or _default_model())
+    cfg, layout, src = m.cfg, m.layout, m.experts
+    shapes = expected_shapes(cfg, m.arch, layout)
     total = sum(_numel(s) for s in shapes.values())
-    expert_params = cfg.expert_numel * cfg.num_experts * len(cfg.moe_layers)
-    active = total - expert_params + cfg.expert_numel * cfg.top_k * len(cfg.moe_layers)
-    src = ExpertSource(ckpt, cfg, layout)
+    expert_numel = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    expert_params = expert_numel * cfg.num_experts * len(cfg.moe_layers)
+    active = total - expert_params + expert_numel * cfg.top_k * len(cfg.moe_layers)
+    fmt = src.format(cfg.moe_layers[0])
     info = {
-        "path": str(ckpt.dir), "architecture": cfg.model_type, "layout": layout.name,
+        "path": str(m.path), "architecture": cfg.model_type, "layout": layout.name,
         "layers": cfg.num_layers, "moe_layers": len(cfg.moe_layers), "hidden_size": cfg.hidden_size,
         "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size, "context_length": cfg.max_position,
         "experts_per_layer": cfg.num_experts, "top_k": cfg.top_k,
         "expert_intermediate_size": cfg.moe_intermediate_size,
         "params_total": total, "params_active_per_token": active,
-        "checkpoint_dtype": str(src.dtype).removeprefix("torch."), "bytes_per_expert": src.expert_nbytes,
+        "checkpoint_dtype": str(src.dtype).removeprefix("torch."), "expert_format": fmt.describe(),
+        "bytes_per_expert": fmt.nbytes,
         "experts_total": cfg.num_experts * len(cfg.moe_layers),
-        "expert_bytes_total": src.expert_nbytes * cfg.num_experts * len(cfg.moe_layers),
+        "expert_bytes_total": sum(src.format(i).nbytes for i in cfg.moe_layers) * cfg.num_experts,
     }
     if args.json:
         print(json.dumps(info))

@@ -8,7 +8,8 @@ import sys
 from ..errors import ExpertCacheError
 from ..server.limits import MAX_BODY_BYTES
 from .args import byte_count, open_listener_warning
-from .common import add_cache_flags, add_model_flags, load_model, positive_int
+from ..flags import add_cache_flags, positive_int
+from .common import add_model_flags, load_model
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..checkpoint.synth import PRESETS, synth
-from .common import positive_int
+from ..models.synth import PRESETS, synth
+from ..flags import positive_int
 
 
 def cmd_synth(args) -> int:

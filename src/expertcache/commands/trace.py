@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from ..errors import ExpertCacheError
-from .common import add_cache_flags, add_model_flags, load_model, nonneg_int, positive_int, read_text_file
+from ..flags import add_cache_flags, nonneg_int, positive_int
+from .common import add_model_flags, load_model, read_text_file
 
 DEFAULT_CAPACITIES = "10%,25%,50%,75%"
 
@@ -56,7 +57,7 @@ def cmd_record(args) -> int:
 
 
 def _policies(spec: str) -> list[str]:
-    from ..tiers.policy import POLICIES
+    from ..config import POLICY_NAMES as POLICIES
 
     if spec == "all":
         return list(POLICIES)
@@ -71,7 +72,7 @@ def _policies(spec: str) -> list[str]:
 def cmd_simulate(args) -> int:
     from ..bench.simulate import compare, parse_capacities
     from ..bench.trace import load_trace
-    from ..tiers.policy import DEFAULT_POLICY
+    from ..config import DEFAULT_POLICY
 
     policies = _policies(args.policy)
     trace = load_trace(args.trace)
@@ -137,7 +138,7 @@ def _plot(path: str, title: str, rows, total_experts: int) -> None:
         raise ExpertCacheError("--plot needs matplotlib (pip install 'expertcache[bench]')") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from ..tiers.policy import DEFAULT_POLICY
+    from ..config import DEFAULT_POLICY
 
     by_policy: dict[str, list] = {}
     for row in rows:

@@ -21,10 +21,9 @@ They are opt-in because:
 Only one-row bf16 work on the CPU takes the native path (a decode step, the last row of a
 prompt); prefill's many-row products and other dtypes use torch. Attention stays on torch for
 sliding windows, clipped q/k/v and whole-projection q/k norms (OLMoE).
-The choice belongs to a model: `MoEModel.forward` makes its kernels the active ones for the
-duration of a call (`active`), which is what `layers` and the MoE block consult. That is one
-process-wide setting, so forwards of models with different choices must not run at the same
-time in two threads (the server runs all of its forwards on one worker thread).
+The choice belongs to a model: it holds one `Kernels` object (`TorchKernels` or
+`NativeKernels`) and passes it to every layer; nothing reads a process-wide setting, so models
+with different choices can run side by side.
 """
 
 from __future__ import annotations
@@ -35,14 +34,12 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
-from .errors import ExpertCacheError
+from ..errors import ExpertCacheError
 
 KERNELS = ("torch", "native")
 SOURCE = Path(__file__).parent.parent / "native" / "decode.cpp"
-
-# The native module while a forward that uses it runs; None means torch's kernels.
-active: ModuleType | None = None
 
 _loaded: dict[bool, ModuleType] = {}
 
@@ -91,16 +88,121 @@ def load_native(portable: bool = False) -> ModuleType:
     return _loaded[portable]
 
 
-def select(kernels: str, device: torch.device, dtype: torch.dtype) -> ModuleType | None:
-    """The native module for `kernels="native"`, None for torch's; checks that the choice applies."""
+def check_choice(kernels: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Checks that a kernel choice applies to this device and dtype, before anything is built."""
     if kernels not in KERNELS:
         raise ExpertCacheError(f"kernels {kernels!r} is not one of {', '.join(KERNELS)}")
     if kernels == "torch":
-        return None
+        return
     if device.type != "cpu":
         raise ExpertCacheError(f"--kernels native runs on the CPU; got device {device}, expected cpu")
     if dtype != torch.bfloat16:
         raise ExpertCacheError(f"--kernels native computes in bfloat16; got dtype {str(dtype).removeprefix('torch.')}, "
                                "expected bfloat16 (--dtype bfloat16)")
-    return load_native()
+
+
+def select(kernels: str, device: torch.device, dtype: torch.dtype) -> Kernels:
+    """The kernel set for a model: torch's, or the native one (built on first use)."""
+    check_choice(kernels, device, dtype)
+    return NativeKernels(load_native()) if kernels == "native" else TorchKernels()
+
+
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+class Kernels:
+    """The operations whose implementation a model's kernel choice decides. `native` is the
+    compiled module behind them, or None."""
+
+    name = ""
+    native: ModuleType | None = None
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] @ w[N, K]^T (+ b) -> [T, N].
+
+        One row in bf16/fp16 on a CPU (every decode step) is a matrix-vector product, which is
+        memory-bound: oneDNN's matmul reads the weights at well under half the machine's
+        bandwidth there, while the plain BLAS path streams them at nearly full speed. The path
+        depends only on the row count, never on cache state, so results stay identical across
+        cache modes.
+        """
+        if x.shape[0] == 1 and x.dtype in _REDUCED and x.device.type == "cpu":
+            # torch.backends.mkldnn.flags() does the same but costs ~10 us and warns on every call.
+            was = torch._C._get_mkldnn_enabled()
+            torch._C._set_mkldnn_enabled(False)
+            try:
+                y = torch.mv(w, x[0])                   # [N]
+            finally:
+                torch._C._set_mkldnn_enabled(was)
+            return (y if b is None else y + b)[None]    # [1, N]
+        return F.linear(x, w, b)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Normalise in fp32 and scale in the compute dtype, as the reference implementations do.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(dtype)
+
+    def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)) with gate_up [2I, D] (gate rows, then up rows), down [D, I]."""
+        I = down.shape[1]
+        gu = self.linear(x, gate_up)                     # [T, 2I]
+        # Two slices rather than chunk(): the same views, at a fraction of chunk's dispatch cost,
+        # which counts 16 times a decode step at top-8.
+        return self.linear(F.silu(gu[:, :I]) * gu[:, I:], down)  # [T, D]
+
+    def expert(self, x: torch.Tensor, w) -> torch.Tensor:
+        """One routed expert (`tiers.layout.ExpertWeights`) on x [T, D] -> [T, D]. Quantized
+        matrices are dequantized exactly (to fp32, then the compute dtype) before the product."""
+        if isinstance(w.gate_up, torch.Tensor) and isinstance(w.down, torch.Tensor):
+            return self.swiglu(x, w.gate_up, w.down)
+        gate_up = torch.cat((self.dense(w.gate, x.dtype), self.dense(w.up, x.dtype)))  # [2I, D]
+        return self.swiglu(x, gate_up, self.dense(w.down, x.dtype))
+
+    @staticmethod
+    def dense(w, dtype: torch.dtype) -> torch.Tensor:
+        """A weight as a float matrix in `dtype`: itself, or its blocks dequantized."""
+        if isinstance(w, torch.Tensor):
+            return w
+        from .dequant import dequantize
+
+        return dequantize(w.raw, w.qtype, w.shape).to(dtype)
+
+    def experts_one_row(self, x: torch.Tensor, wave: list) -> torch.Tensor | None:
+        """A decode step's wave of experts [(id, ExpertWeights)] in one call, [n, D]; None when
+        this kernel set has no such call (each expert then runs through `swiglu`)."""
+        return None
+
+
+class TorchKernels(Kernels):
+    name = "torch"
+
+
+class NativeKernels(Kernels):
+    """The native one-row paths; everything with more rows stays on torch's."""
+
+    name = "native"
+
+    def __init__(self, module: ModuleType):
+        self.native = module
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        # A native model is bf16 on the CPU (`check_choice`), so one row is the native product.
+        if x.shape[0] == 1 and w.is_contiguous():
+            y = self.native.gemv(w, x[0].contiguous())  # [N]
+            return (y if b is None else y + b)[None]    # [1, N]
+        return super().linear(x, w, b)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1:
+            return self.native.rms_norm(x.contiguous(), weight, eps)  # one call for torch's eight
+        return super().rms_norm(x, weight, eps)
+
+    def experts_one_row(self, x: torch.Tensor, wave: list) -> torch.Tensor | None:
+        if not all(isinstance(w.gate_up, torch.Tensor) for _, w in wave):
+            return None
+        # Each expert's row is what it would be alone. Slot views are contiguous [2I, D] and
+        # [D, I] in the model's dtype (bf16), which the native call requires.
+        return self.native.experts(x[0].contiguous(), [w.gate_up for _, w in wave], [w.down for _, w in wave])
 

@@ -1,5 +1,5 @@
-"""Dense building blocks shared by every architecture: RMSNorm, rotary embeddings, grouped-query
-attention over a KV cache, and the SwiGLU MLP.
+"""Dense building blocks shared by every architecture: rotary embeddings, a KV cache, and
+grouped-query attention over it. Products and norms go through the model's `Kernels`.
 
 T = tokens in this call, P = tokens already in the KV cache, D = hidden size,
 H = query heads, G = key/value heads, Dh = head dim, I = MLP width.
@@ -12,47 +12,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
 from ..config import ModelConfig
+from ..kernels import Kernels
 
-_REDUCED = (torch.bfloat16, torch.float16)
 _NO_NORM = torch.empty(0, dtype=torch.bfloat16)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ w[N, K]^T (+ b) -> [T, N].
-
-    One row in bf16/fp16 on a CPU (every decode step) is a matrix-vector product, which is
-    memory-bound: oneDNN's matmul reads the weights at well under half the machine's bandwidth
-    there, while the plain BLAS path streams them at nearly full speed. The path depends only on
-    the row count, never on cache state, so results stay identical across cache modes. With
-    `--kernels native` the one-row bf16 product goes to the native kernel instead (`kernels`).
-    """
-    if x.shape[0] == 1 and x.dtype in _REDUCED and x.device.type == "cpu":
-        native = kernels.active
-        if native is not None and w.is_contiguous():  # native implies a bf16 model on the CPU
-            y = native.gemv(w, x[0].contiguous())    # [N]
-            return (y if b is None else y + b)[None]  # [1, N]
-        # torch.backends.mkldnn.flags() does the same but costs ~10 us and warns on every call.
-        was = torch._C._get_mkldnn_enabled()
-        torch._C._set_mkldnn_enabled(False)
-        try:
-            y = torch.mv(w, x[0])                   # [N]
-        finally:
-            torch._C._set_mkldnn_enabled(was)
-        return (y if b is None else y + b)[None]    # [1, N]
-    return F.linear(x, w, b)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in fp32 and scale in the compute dtype, as the reference implementations do.
-    native = kernels.active
-    if native is not None and x.dim() == 2 and x.shape[0] == 1:
-        return native.rms_norm(x.contiguous(), weight, eps)  # one call for the eight below
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
 
 
 class Rotary:
@@ -156,12 +119,13 @@ class AttentionWeights:
             self.qk_norm = torch.cat((self.q_norm.expand(heads, -1), self.k_norm.expand(kv_heads, -1)))
 
 
-def attention(cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, layer: int, kv: KVCache,
+def attention(k: Kernels, cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, layer: int, kv: KVCache,
               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     T = x.shape[0]
     H, G, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
-    native = kernels.active
+    native = k.native
+    linear, rms_norm = k.linear, k.rms_norm
     if (native is not None and T == 1 and cfg.sliding_window is None
             and cfg.qk_norm in ("none", "head") and cfg.clip_qkv is None):
         # Everything between the two projections in one call: q/k norm, rotary, the cache append
@@ -220,11 +184,3 @@ def attention(cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, layer: int
 class MLPWeights:
     gate_up: torch.Tensor  # [2I, D]: gate rows, then up rows
     down: torch.Tensor     # [D, I]
-
-
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    I = down.shape[1]
-    gu = linear(x, gate_up)                     # [T, 2I]
-    # Two slices rather than chunk(): the same views, at a fraction of chunk's dispatch cost,
-    # which counts 16 times a decode step at top-8.
-    return linear(F.silu(gu[:, :I]) * gu[:, I:], down)  # [T, D]

@@ -1,12 +1,13 @@
 """Mixtral: experts named w1 (gate), w3 (up), w2 (down) under `block_sparse_moe`; the top-k
-routing weights are always renormalised and kept in fp32."""
+routing weights are always renormalised and kept in fp32; a sliding window whenever one is set.
+llama.cpp writes Mixtral as `llama` with an expert count, which tells it apart from a dense Llama."""
 
-from .base import ExpertLayout, MoEArch
+from .arch import Architecture, ExpertLayout, Key
 
 
-class Mixtral(MoEArch):
-    model_type = "mixtral"
-    router_weights_fp32 = True
+class Mixtral(Architecture):
+    model_types = ("mixtral",)
+    gguf_architectures = ("llama",)
     expert_layouts = (
         ExpertLayout("per-expert", router="block_sparse_moe.gate.weight",
                      gate="block_sparse_moe.experts.{e}.w1.weight", up="block_sparse_moe.experts.{e}.w3.weight",
@@ -14,3 +15,11 @@ class Mixtral(MoEArch):
         ExpertLayout("fused", router="mlp.gate.weight", gate_up="mlp.experts.gate_up_proj",
                      down="mlp.experts.down_proj"),
     )
+    expert_width = Key("intermediate_size")
+    norm_topk_prob = True
+    sliding_window_switch = None
+    router_weights_fp32 = True
+
+    @classmethod
+    def matches_gguf(cls, metadata: dict) -> bool:
+        return (metadata.get("llama.expert_count") or 0) > 0

@@ -18,19 +18,18 @@ from typing import Protocol
 
 import torch
 
-from .. import kernels
-from .layers import linear, swiglu
-
-# One expert as the layer sees it: its id, gate/up rows [2I, D] and down [D, I].
-ExpertView = tuple[int, torch.Tensor, torch.Tensor]
+from ..kernels import Kernels
+from ..tiers.layout import ExpertWeights
 
 
 class ExpertProvider(Protocol):
-    def fetch(self, layer: int, experts: Sequence[int]) -> Iterator[list[ExpertView]]:
-        """Yield the experts of `layer` in waves; each wave's views are valid until the next one.
+    def acquire(self, layer: int, experts: Sequence[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """Yield the experts of `layer` in waves of (id, weights); each wave's views are valid
+        until the next one.
 
-        `experts` are the op's distinct expert ids, sorted. The generator's cleanup releases
-        what it pinned, so a caller that stops early leaves nothing pinned.
+        `experts` are the op's distinct expert ids, sorted. Leaving the generator (exhausted,
+        closed or on error) releases what it pinned, so a caller that stops early leaves nothing
+        pinned.
         """
         ...
 
@@ -41,9 +40,9 @@ class Routing:
     ids: torch.Tensor      # [T, A] expert ids
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
+def route(k: Kernels, x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
           weights_fp32: bool = False) -> Routing:
-    logits = linear(x, router)                             # [T, E]
+    logits = k.linear(x, router)                             # [T, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # [T, E]
     w, ids = torch.topk(probs, top_k, dim=-1)                # [T, A]
     if normalize:
@@ -53,11 +52,12 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
     return Routing(w, ids)
 
 
-def moe_experts(x: torch.Tensor, routing: Routing, provider: ExpertProvider, layer: int) -> torch.Tensor:
+def moe_experts(k: Kernels, x: torch.Tensor, routing: Routing, provider: ExpertProvider,
+                layer: int) -> torch.Tensor:
     T, D = x.shape
     A = routing.ids.shape[1]
     if T == 1:
-        return _moe_one_token(x, routing, provider, layer)
+        return _moe_one_token(k, x, routing, provider, layer)
     flat = routing.ids.reshape(-1)                              # [T*A]
     order = torch.argsort(flat, stable=True)                    # [T*A] rows grouped by expert id
     used_t, counts_t = torch.unique_consecutive(flat[order], return_counts=True)
@@ -69,10 +69,10 @@ def moe_experts(x: torch.Tensor, routing: Routing, provider: ExpertProvider, lay
         acc += c
     xs = x[order // A]                                          # [T*A, D] inputs grouped by expert
     ys = torch.empty_like(xs)                                   # [T*A, D] outputs, same grouping
-    for wave in provider.fetch(layer, used):
-        for e, gate_up, down in wave:
+    for wave in provider.acquire(layer, used):
+        for e, w in wave:
             a, b = start[e]
-            ys[a:b] = swiglu(xs[a:b], gate_up, down)             # [n, D]
+            ys[a:b] = k.expert(xs[a:b], w)                      # [n, D]
     out = torch.empty_like(ys)
     out[order] = ys                                             # [T*A, D] by token, then rank
     # The weighted sum over ranks as one batched product, [T, 1, A] x [T, A, D], accumulated in
@@ -81,23 +81,23 @@ def moe_experts(x: torch.Tensor, routing: Routing, provider: ExpertProvider, lay
     return torch.bmm(w, out.view(T, A, D)).view(T, D)             # [T, D]
 
 
-def _moe_one_token(x: torch.Tensor, routing: Routing, provider: ExpertProvider, layer: int) -> torch.Tensor:
+def _moe_one_token(k: Kernels, x: torch.Tensor, routing: Routing, provider: ExpertProvider,
+                   layer: int) -> torch.Tensor:
     """The decode step: one token, so no grouping of rows; the same fixed-order combine."""
     ranked = routing.ids[0].tolist()                               # expert ids in router-rank order
     ys: dict[int, torch.Tensor] = {}
-    native = kernels.active
-    for wave in provider.fetch(layer, sorted(ranked)):
-        if native is not None:
-            # The whole wave in one call; each expert's row is what it would be alone. Slot views
-            # are contiguous [2I, D] and [D, I] in the model's dtype, which native requires (bf16).
-            yw = native.experts(x[0].contiguous(), [g for _, g, _ in wave], [d for _, _, d in wave])  # [n, D]
-            for j, (e, _, _) in enumerate(wave):
+    for wave in provider.acquire(layer, sorted(ranked)):
+        # The whole wave in one call where the kernels have one; each expert's row is what it
+        # would be alone, so the result does not depend on the waves.
+        yw = k.experts_one_row(x, wave)                            # [n, D] or None
+        if yw is not None:
+            for j, (e, _) in enumerate(wave):
                 ys[e] = yw[j: j + 1]
             continue
-        for e, gate_up, down in wave:
-            ys[e] = swiglu(x, gate_up, down)                       # [1, D]
+        for e, w in wave:
+            ys[e] = k.expert(x, w)                                 # [1, D]
     out = torch.cat([ys[e] for e in ranked])                       # [A, D] in rank order
     w = routing.weights.to(out.dtype)                              # [1, A]
     # As a matrix-vector product over the A outputs: `linear` takes the BLAS path for one bf16
     # row, ~10x faster here than oneDNN's [1, A] x [A, D] product.
-    return linear(w, out.t())                                      # [1, D]
+    return k.linear(w, out.t())                                    # [1, D]

@@ -1,8 +1,15 @@
-"""OLMoE: QK-norm over the whole projection width (not per head), optional clip_qkv."""
+"""OLMoE: QK-norm over the whole projection width (not per head), optional clip_qkv; the expert
+width is `intermediate_size` and every layer is MoE."""
 
-from .qwen3_moe import Qwen3Moe
+from .arch import Architecture, Key
+from .qwen3_moe import QWEN_EXPERT_LAYOUTS
 
 
-class Olmoe(Qwen3Moe):
-    # Same expert tensor names as Qwen3-MoE; the QK-norm difference lives in the config.
-    model_type = "olmoe"
+class Olmoe(Architecture):
+    model_types = ("olmoe",)
+    gguf_architectures = ("olmoe",)
+    expert_layouts = QWEN_EXPERT_LAYOUTS
+    expert_width = Key("intermediate_size")
+    o_bias = Key("attention_bias", False)
+    qk_norm = "full"
+    clip_qkv = Key("clip_qkv")

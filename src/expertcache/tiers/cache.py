@@ -4,8 +4,14 @@ Per MoE op the cache plans with `Residency` (pure bookkeeping: hits, misses, vic
 copies only the missing experts (runs of experts contiguous in the slow tier into consecutive
 slots as one copy), and yields views into the slots wave by wave. When nothing is missing no copy
 is issued and nothing waits. Slots are described by what they hold (key, source file version,
-dtype, shape, byte size); a lookup is only valid while all of those match, and slots are
-invalidated exactly when one of them changes, counted by reason.
+the expert's format: each matrix's storage type and shape); a lookup is only valid while all of
+those match, and slots are invalidated exactly when one of them changes, counted by reason.
+
+The pool is bytes: a slot holds one expert as the slow tier stores it (float matrices in the
+compute dtype, quantized ones as the file's blocks), and the cache never interprets them.
+
+`acquire(layer, experts)` is the provider call the MoE layer makes: a generator that yields the
+op's experts wave by wave; leaving it (exhausted, closed or on error) releases what it pinned.
 
 Modes: `cache` (the slot cache), `resident` (every expert in a slot from the start: the upper
 bound) and `staging` (the control: every op copies every expert it uses, no reuse).
@@ -25,7 +31,7 @@ from ..config import CacheConfig
 from ..errors import ExpertCacheError
 from ..memory import host_zeros
 from ..telemetry import Telemetry
-from .layout import expert_views
+from .layout import ExpertFormat, ExpertWeights, expert_weights
 from .policy import ExpertKey, make_policy
 from .residency import Residency
 from .store import LARGE_LOAD_BYTES, ExpertStore, FileVersion, file_version
@@ -36,23 +42,25 @@ from .transfer import Transfers
 class SlotContent:
     key: ExpertKey
     version: FileVersion  # of the file the expert was read from
-    dtype: torch.dtype
-    shape: tuple[int, int, int]  # (hidden, expert width, matrices)
+    format: ExpertFormat  # each matrix's storage type, shape and offset
     nbytes: int
 
 
 class ExpertCache:
     def __init__(self, store: ExpertStore, config: CacheConfig, device: torch.device):
         self.store, self.config, self.device = store, config, device
-        src = store.source
-        self.hidden, self.inter = src.cfg.hidden_size, src.cfg.moe_intermediate_size
-        self.num_experts, self.moe_layers = src.cfg.num_experts, list(src.cfg.moe_layers)
-        self.dtype, self.stride = store.dtype, store.stride
-        self.expert_bytes = src.numel * self.dtype.itemsize
         self.mode = config.mode
-        self.telemetry_ = Telemetry(self.expert_bytes)
+        self._adopt_geometry(store)
+        self.telemetry_ = Telemetry(self.expert_bytes, config.trace_every)
         self._pending_invalid: dict[int, set[int]] = {}
         self._allocate(self._capacity_for(config))
+
+    def _adopt_geometry(self, store: ExpertStore) -> None:
+        src = store.source
+        self.num_experts, self.moe_layers = src.num_experts, list(src.layers)
+        self.formats = dict(store.formats)
+        self.slot_bytes = store.slot_bytes
+        self.expert_bytes = {layer: f.nbytes for layer, f in self.formats.items()}
 
     # ---- sizing and allocation ----
     @property
@@ -60,30 +68,28 @@ class ExpertCache:
         return self.num_experts * len(self.moe_layers)
 
     def _capacity_for(self, config: CacheConfig) -> int:
-        slot_bytes = self.stride * self.dtype.itemsize
-        sized = any(v is not None for v in (config.experts, config.mem, config.fraction))
-        if config.mode == "staging" and not sized:
+        if config.mode == "staging" and not config.sized:
             return self.num_experts  # room for any one op
-        n = config.slots_for(self.total_experts, slot_bytes)
+        n = config.slots_for(self.total_experts, self.slot_bytes)
         if n < 1:
             raise ExpertCacheError(f"cache of {config.mem} bytes is too small for one wave: one expert slot "
-                                   f"needs {slot_bytes} bytes")
+                                   f"needs {self.slot_bytes} bytes")
         return n
 
     def _allocate(self, capacity: int) -> None:
         self.capacity = capacity
         try:
-            self.pool = host_zeros((capacity, self.stride), self.dtype, self.device)  # [S, stride]
+            self.pool = host_zeros((capacity, self.slot_bytes), torch.uint8, self.device)  # [S, slot bytes]
         except (RuntimeError, MemoryError) as e:
             raise ExpertCacheError(f"cannot allocate {capacity} expert slots "
-                                   f"({capacity * self.stride * self.dtype.itemsize / 2**20:.0f} MiB): {e}") from None
-        # Each slot's gate/up and down views, made once: they stay valid as long as the pool.
-        self.views = [expert_views(row, self.hidden, self.inter) for row in self.pool]
-        try:
-            policy = make_policy(self.config.policy, capacity)
-        except ValueError as e:
-            raise ExpertCacheError(str(e)) from None
-        self.residency = Residency(capacity, policy)
+                                   f"({capacity * self.slot_bytes / 2**20:.0f} MiB): {e}") from None
+        # Each slot's views in each layer format, made once: they stay valid as long as the pool.
+        by_format: dict[ExpertFormat, list[ExpertWeights]] = {}
+        for fmt in self.formats.values():
+            if fmt not in by_format:
+                by_format[fmt] = [expert_weights(row, fmt) for row in self.pool]
+        self.views = {layer: by_format[fmt] for layer, fmt in self.formats.items()}
+        self.residency = Residency(capacity, make_policy(self.config.policy, capacity))
         self.content: list[SlotContent | None] = [None] * capacity
         self.checksums: list[int | None] = [None] * capacity
         self.transfers = Transfers(self.device, capacity)
@@ -92,13 +98,13 @@ class ExpertCache:
 
     def _fill_all(self) -> None:
         """Resident mode: every expert in its slot before the first op (counted as load copies)."""
-        big = self.total_experts * self.expert_bytes >= LARGE_LOAD_BYTES
+        big = sum(self.expert_bytes.values()) * self.num_experts >= LARGE_LOAD_BYTES
         for layer in tqdm(self.moe_layers, desc="filling slots", unit="layer", leave=False, disable=not big):
             plan = self.residency.plan(layer, list(range(self.num_experts)))
             for wave in plan.waves:
                 self._copy_wave(layer, wave)
                 self.telemetry_.load_copied_experts += len(wave.fills)
-                self.telemetry_.load_copied_bytes += len(wave.fills) * self.expert_bytes
+                self.telemetry_.load_copied_bytes += len(wave.fills) * self.expert_bytes[layer]
         self.transfers.synchronize()
 
     def resize(self, config: CacheConfig) -> None:
@@ -110,26 +116,27 @@ class ExpertCache:
         self._allocate(self._capacity_for(config))
 
     # ---- one op ----
-    def fetch(self, layer: int, experts: Sequence[int]) -> Iterator[list]:
+    def acquire(self, layer: int, experts: Sequence[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """Make `experts` (sorted distinct ids of `layer`) available, wave by wave: each wave is a
+        list of (expert, weights), valid until the next wave; closing the generator releases them."""
         if self.mode == "staging":
             self.residency.clear()  # no reuse: the control copies every expert every op
         plan = self.residency.plan(layer, experts)
         pending = self._pending_invalid.pop(layer, None)
         if pending:
             self.telemetry_.pre_invalid_hit += len(pending.intersection(experts))
+        views = self.views[layer]
         copied = ranges = 0
         for wave in plan.waves:
             if wave.fills:
                 ranges += self._copy_wave(layer, wave)
                 copied += len(wave.fills)
             self.transfers.before_compute()
-            views = []
-            for e, s in zip(wave.experts, wave.slots):
-                if self.config.verify:
+            if self.config.verify:
+                for e, s in zip(wave.experts, wave.slots):
                     self._verify(layer, e, s)
-                views.append((e, *self.views[s]))
             try:
-                yield views
+                yield [(e, views[s]) for e, s in zip(wave.experts, wave.slots)]
             finally:
                 self.transfers.after_compute(wave.slots)
         self.telemetry_.op(layer, len(experts), plan.loaded_before, len(plan.hits), copied, ranges,
@@ -151,10 +158,10 @@ class ExpertCache:
                 issued += 1
         self.telemetry_.copy_seconds += time.perf_counter() - t0
         version = self.store.versions
+        fmt = self.formats[layer]
         for e, s in wave.fills:
             path = self.store.file_of(layer, e)
-            self.content[s] = SlotContent(ExpertKey(layer, e), version[path], self.dtype,
-                                          (self.hidden, self.inter, 3), self.expert_bytes)
+            self.content[s] = SlotContent(ExpertKey(layer, e), version[path], fmt, fmt.nbytes)
             if self.config.verify:
                 self.transfers.synchronize()
                 self.checksums[s] = self._checksum(s)
@@ -164,7 +171,7 @@ class ExpertCache:
     def _checksum(self, slot: int) -> int:
         data = self.pool[slot]
         if data.device.type == "cpu":
-            return zlib.crc32(data.view(torch.uint8).numpy())
+            return zlib.crc32(data.numpy())
         words = data.view(torch.int32).to(torch.int64)
         weights = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64) % 65521
         return int((words * weights).sum())
@@ -190,22 +197,21 @@ class ExpertCache:
         description no longer matches, counted by reason. Returns the counts of this change."""
         old = self.store
         src = store.source
-        if src.cfg.num_experts != self.num_experts or list(src.cfg.moe_layers) != self.moe_layers:
+        if src.num_experts != self.num_experts or list(src.layers) != self.moe_layers:
             reason = "expert_count"
-        elif src.numel != old.source.numel or store.stride != self.stride:
-            reason = "shape"
-        elif src.dtype != old.source.dtype:
-            reason = "dtype"
+        elif store.formats != self.formats:
+            # Same matrices and shapes in other storage types is a change of dtype (or of
+            # quantization type); anything else is a change of shape.
+            same_shapes = all([(m.name, m.shape) for m in store.formats[layer].matrices]
+                              == [(m.name, m.shape) for m in fmt.matrices] for layer, fmt in self.formats.items())
+            reason = "dtype" if same_shapes else "shape"
         else:
             reason = "source"
         old.close()
         self.store = store
         if reason != "source":
             self._invalidate_all(reason)
-            self.num_experts, self.moe_layers = src.cfg.num_experts, list(src.cfg.moe_layers)
-            self.hidden, self.inter = src.cfg.hidden_size, src.cfg.moe_intermediate_size
-            self.stride = store.stride
-            self.expert_bytes = src.numel * self.dtype.itemsize
+            self._adopt_geometry(store)
             self.telemetry_.expert_bytes = self.expert_bytes
             self.pool = None
             self._allocate(self._capacity_for(self.config))
@@ -236,6 +242,6 @@ class ExpertCache:
     def telemetry(self) -> dict:
         out = self.telemetry_.as_dict()
         out.update(mode=self.mode, policy=self.config.policy, store=self.store.name, capacity=self.capacity,
-                   total_experts=self.total_experts, expert_bytes=self.expert_bytes,
-                   pool_bytes=self.capacity * self.stride * self.dtype.itemsize)
+                   total_experts=self.total_experts, expert_bytes=max(self.expert_bytes.values()),
+                   slot_bytes=self.slot_bytes, pool_bytes=self.capacity * self.slot_bytes)
         return out

@@ -1,24 +1,117 @@
-"""Slot geometry: one expert is one contiguous range holding gate [I, D], up [I, D], down [D, I].
+"""Slot geometry: what one expert's bytes are, described rather than assumed.
 
-Rows are padded so that every expert starts on the same byte alignment in every tier and mode
+An expert is a few matrices (gate, up and down, or a fused gate_up and down), each with a
+storage type (a torch dtype or a quantization type), a shape and a byte offset within the
+expert's one contiguous range. All experts of a layer share one `ExpertFormat`; layers may
+differ (a quantized file may store `down` in another type on some layers), and every slot is as
+large as the largest. The cache copies these bytes and never interprets them; `expert_weights`
+makes typed views of a slot for the compute path.
+
+Slots are padded so that every expert starts on the same byte alignment in every tier and mode
 (resident, staging, cache): the matrix kernels then see identically aligned operands and pick the
 same code paths, which bit-exactness across modes relies on.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from ..checkpoint.storage import QuantTensor, Storage, is_quantized, nbytes, storage_name
 
 SLOT_ALIGN_BYTES = 256
 
-
-def padded_numel(numel: int, itemsize: int, align: int = SLOT_ALIGN_BYTES) -> int:
-    """Elements per expert row, rounded up so each row starts on an `align`-byte boundary."""
-    per = max(1, align // itemsize)
-    return -(-numel // per) * per
+Weight = torch.Tensor | QuantTensor
 
 
-def expert_views(row: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split one expert's row into gate/up [2I, D] and down [D, I] views (no copy)."""
-    gu = 2 * inter * hidden
-    return row[:gu].view(2 * inter, hidden), row[gu: gu + hidden * inter].view(hidden, inter)
+@dataclass(frozen=True, slots=True)
+class MatrixFormat:
+    name: str               # gate | up | down | gate_up
+    storage: Storage
+    shape: tuple[int, int]  # [rows, cols]
+    offset: int             # bytes from the start of the expert
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.storage, self.shape)
+
+    def describe(self) -> str:
+        return f"{self.name} {storage_name(self.storage)} {list(self.shape)}"
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertFormat:
+    """The matrices of one expert, back to back in the given order."""
+
+    matrices: tuple[MatrixFormat, ...]
+
+    @classmethod
+    def of(cls, parts: list[tuple[str, Storage, tuple[int, int]]]) -> ExpertFormat:
+        out, pos = [], 0
+        for name, storage, shape in parts:
+            m = MatrixFormat(name, storage, tuple(shape), pos)
+            out.append(m)
+            pos += m.nbytes
+        return cls(tuple(out))
+
+    @property
+    def nbytes(self) -> int:
+        last = self.matrices[-1]
+        return last.offset + last.nbytes
+
+    @property
+    def quantized(self) -> bool:
+        return any(is_quantized(m.storage) for m in self.matrices)
+
+    def with_dtype(self, dtype: torch.dtype) -> ExpertFormat:
+        """The same expert with its float matrices in `dtype` (quantized ones stay as they are)."""
+        return ExpertFormat.of([(m.name, m.storage if is_quantized(m.storage) else dtype, m.shape)
+                                for m in self.matrices])
+
+    def matrix(self, name: str) -> MatrixFormat | None:
+        return next((m for m in self.matrices if m.name == name), None)
+
+    def describe(self) -> str:
+        return ", ".join(m.describe() for m in self.matrices)
+
+
+def slot_nbytes(formats: list[ExpertFormat], align: int = SLOT_ALIGN_BYTES) -> int:
+    """Bytes per slot: the largest expert, rounded up so each slot starts on an `align` boundary."""
+    return -(-max(f.nbytes for f in formats) // align) * align
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertWeights:
+    """Views of one expert's matrices in a slot. `gate_up` [2I, D] is there when gate and up are
+    one float matrix (fused in the file, or adjacent in one dtype), so one product serves both."""
+
+    gate: Weight     # [I, D]
+    up: Weight       # [I, D]
+    down: Weight     # [D, I]
+    gate_up: Weight | None = None
+
+
+def _view(row: torch.Tensor, m: MatrixFormat) -> Weight:
+    raw = row[m.offset: m.offset + m.nbytes]
+    if is_quantized(m.storage):
+        return QuantTensor(raw.view(m.shape[0], -1), m.storage, m.shape)
+    return raw.view(m.storage).view(m.shape)
+
+
+def expert_weights(row: torch.Tensor, fmt: ExpertFormat) -> ExpertWeights:
+    """Typed views (no copy) of the expert whose bytes start `row` (uint8)."""
+    down = _view(row, fmt.matrix("down"))
+    fused = fmt.matrix("gate_up")
+    if fused is not None:
+        gu = _view(row, fused)
+        half = fused.shape[0] // 2
+        if isinstance(gu, QuantTensor):
+            return ExpertWeights(gu.rows(0, half), gu.rows(half, 2 * half), down, gu)
+        return ExpertWeights(gu[:half], gu[half:], down, gu)
+    g, u = fmt.matrix("gate"), fmt.matrix("up")
+    gate, up = _view(row, g), _view(row, u)
+    gate_up = None
+    if not is_quantized(g.storage) and g.storage == u.storage and u.offset == g.offset + g.nbytes:
+        gate_up = _view(row, MatrixFormat("gate_up", g.storage, (2 * g.shape[0], g.shape[1]), g.offset))
+    return ExpertWeights(gate, up, down, gate_up)

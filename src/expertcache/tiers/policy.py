@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..config import DEFAULT_POLICY, POLICY_NAMES
+
 
 @dataclass(frozen=True, slots=True, order=True)
 class ExpertKey:
@@ -556,11 +558,12 @@ class Belady(Policy):
         del self._next[key]
 
 
-# Chosen on routing traces of the bundled model (docs/benchmarks.md, "Routing traces and policies"):
-# fewer misses than every other policy at 10-50% capacity on every trace, and at 75% on one of the
-# three (on the other two S3-FIFO misses 2-4% less, and LFU 0.4% less on one).
-DEFAULT_POLICY = "lrfu"
+# The default, `config.DEFAULT_POLICY` (lrfu), was chosen on routing traces of the bundled model
+# (docs/benchmarks.md, "Routing traces and policies"): fewer misses than every other policy at
+# 10-50% capacity on every trace, and at 75% on one of the three (on the other two S3-FIFO misses
+# 2-4% less, and LFU 0.4% less on one). The names are `config.POLICY_NAMES`, in that order.
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (LRU, LFU, S3FIFO, ARC, LRFU)}
+assert tuple(POLICIES) == POLICY_NAMES and DEFAULT_POLICY in POLICIES
 
 
 def make_policy(name: str, capacity: int) -> Policy:

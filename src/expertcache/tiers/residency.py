@@ -14,7 +14,7 @@ from bisect import insort
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from expertcache.tiers.policy import ExpertKey, Policy
+from .policy import ExpertKey, Policy
 
 
 @dataclass(slots=True)

@@ -1,15 +1,17 @@
 """The slow tier: where every expert lives, and the one routine that copies a run of experts of
 one layer into consecutive slots.
 
-- `RamStore`: every expert packed in host memory in the compute dtype, one row per expert
-  (pinned when the fast tier is a GPU), so a run of experts is one copy.
+- `RamStore`: every expert packed in host memory in its slot format, one row per expert (pinned
+  when the fast tier is a GPU), so a run of experts is one copy.
 - `MmapStore`: experts read from the memory-mapped checkpoint.
 - `DiskStore`: experts read with `preadv` straight into their slots (or through a bounce buffer
-  when the dtype must change), then `posix_fadvise(DONTNEED)` so the page cache does not quietly
-  hold the model and a RAM budget stays honest.
+  when float matrices must change dtype), then `posix_fadvise(DONTNEED)` so the page cache does
+  not quietly hold the model and a RAM budget stays honest.
 
-`mmap` and `disk` read an expert's matrices as several ranges on any checkpoint, and a run of
-experts as one range on a packed one (`expertcache pack`).
+A store sees experts only through an `ExpertSource` (bytes and their format) and copies bytes: a
+quantized matrix is copied as the file holds it; a float matrix is converted to the compute dtype
+when the file's differs. `mmap` and `disk` read an expert's matrices as several ranges on most
+checkpoints, and a run of experts as one range where the source says it is one.
 
 A store also knows the identity and version of the files it reads (device, inode, size, mtime and
 ctime in nanoseconds), which the cache compares at the start of each top-level call.
@@ -18,16 +20,18 @@ ctime in nanoseconds), which the cache compares at the start of each top-level c
 from __future__ import annotations
 
 import mmap
-from abc import ABC, abstractmethod
 import os
 import warnings
+from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from tqdm import tqdm
 
 from ..checkpoint.safetensors_io import Segment
 from ..memory import host_zeros
+from .layout import ExpertFormat, slot_nbytes
 
 FileVersion = tuple[int, int, int, int, int]
 LARGE_LOAD_BYTES = 256 << 20  # loads larger than this show a progress bar
@@ -38,22 +42,62 @@ def file_version(path: Path) -> FileVersion:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+class ExpertSource(Protocol):
+    """A checkpoint's experts as bytes: what a store needs and nothing about the model."""
+
+    files: list[Path]
+    layers: list[int]  # the MoE layers
+    num_experts: int
+
+    def format(self, layer: int) -> ExpertFormat:
+        """The expert format of `layer` as the file stores it."""
+
+    def segments(self, layer: int, e: int) -> list[Segment]:
+        """Expert (layer, e)'s bytes: one range per matrix, in the format's order."""
+
+    def run_segment(self, layer: int, first: int, n: int) -> Segment | None:
+        """Experts first..first+n-1 as one range of the file, when they are one; else None."""
+
+    def read(self, layer: int, e: int) -> torch.Tensor:
+        """Expert (layer, e)'s bytes [nbytes] uint8, in the file's format."""
+
+
+def convert(src: torch.Tensor, src_fmt: ExpertFormat, dst: torch.Tensor, dst_fmt: ExpertFormat,
+            non_blocking: bool = False) -> None:
+    """Copy experts src [n, >= src bytes] into dst [n, >= dst bytes] (uint8), matrix by matrix;
+    float matrices change dtype on the way, quantized ones are copied as bytes."""
+    if src_fmt == dst_fmt:
+        dst[:, : dst_fmt.nbytes].copy_(src[:, : src_fmt.nbytes], non_blocking=non_blocking)
+        return
+    n = dst.shape[0]
+    for a, b in zip(src_fmt.matrices, dst_fmt.matrices):
+        s = src[:, a.offset: a.offset + a.nbytes]
+        d = dst[:, b.offset: b.offset + b.nbytes]
+        if a.storage == b.storage:
+            d.copy_(s, non_blocking=non_blocking)
+        else:
+            d.view(b.storage).view(n, -1).copy_(s.view(a.storage).view(n, -1), non_blocking=non_blocking)
+
+
 class ExpertStore(ABC):
     """Base: knows the source and the slot geometry; subclasses implement `copy_run`."""
 
     name = ""
 
-    def __init__(self, source, dtype: torch.dtype, stride: int):
-        self.source, self.dtype, self.stride = source, dtype, stride
-        self.numel = source.numel
-        self.versions = {p: file_version(p) for p in source.ckpt.files}
+    def __init__(self, source: ExpertSource, dtype: torch.dtype):
+        self.source, self.dtype = source, dtype
+        self.src_formats = {layer: source.format(layer) for layer in source.layers}
+        # What a slot holds: the file's format with float matrices in the compute dtype.
+        self.formats = {layer: f.with_dtype(dtype) for layer, f in self.src_formats.items()}
+        self.slot_bytes = slot_nbytes(list(self.formats.values()))
+        self.versions = {p: file_version(p) for p in source.files}
 
     def file_of(self, layer: int, e: int) -> Path:
         return self.source.segments(layer, e)[0].file
 
     @abstractmethod
     def copy_run(self, layer: int, first: int, dst: torch.Tensor, non_blocking: bool = False) -> None:
-        """Copy experts first .. first+len(dst)-1 of `layer` into dst [n, stride]."""
+        """Copy experts first .. first+len(dst)-1 of `layer` into dst [n, slot_bytes] (uint8)."""
 
     def contiguous_run(self, layer: int, first: int, n: int) -> bool:
         """Whether experts first..first+n-1 are one range in this tier (one transfer)."""
@@ -66,18 +110,18 @@ class ExpertStore(ABC):
 class RamStore(ExpertStore):
     name = "ram"
 
-    def __init__(self, source, dtype: torch.dtype, stride: int, pin: bool = False,
-                 progress: bool = True):
-        super().__init__(source, dtype, stride)
-        cfg = source.cfg
+    def __init__(self, source: ExpertSource, dtype: torch.dtype, pin: bool = False, progress: bool = True):
+        super().__init__(source, dtype)
         self.rows: dict[int, torch.Tensor] = {}
-        total = cfg.num_experts * len(cfg.moe_layers)
+        total = source.num_experts * len(source.layers)
+        big = sum(f.nbytes for f in self.formats.values()) * source.num_experts >= LARGE_LOAD_BYTES
         with tqdm(total=total, desc="loading experts", unit="expert", leave=False,
-                  disable=not progress or total * source.expert_nbytes < LARGE_LOAD_BYTES) as bar:
-            for layer in cfg.moe_layers:
-                rows = host_zeros((cfg.num_experts, stride), dtype, pin=pin)
-                for e in range(cfg.num_experts):
-                    rows[e, : self.numel].copy_(source.read(layer, e))
+                  disable=not progress or not big) as bar:
+            for layer in source.layers:
+                rows = host_zeros((source.num_experts, self.slot_bytes), torch.uint8, pin=pin)
+                src_fmt, fmt = self.src_formats[layer], self.formats[layer]
+                for e in range(source.num_experts):
+                    convert(source.read(layer, e)[None], src_fmt, rows[e: e + 1], fmt)
                     bar.update()
                 self.rows[layer] = rows
 
@@ -88,53 +132,58 @@ class RamStore(ExpertStore):
 class MmapStore(ExpertStore):
     name = "mmap"
 
-    def __init__(self, source, dtype: torch.dtype, stride: int):
-        super().__init__(source, dtype, stride)
+    def __init__(self, source: ExpertSource, dtype: torch.dtype):
+        super().__init__(source, dtype)
         self._maps: dict[Path, tuple[mmap.mmap, torch.Tensor]] = {}
-        for path in source.ckpt.files:
+        for path in source.files:
             with open(path, "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             with warnings.catch_warnings():  # read-only mapping: we never write through it
                 warnings.simplefilter("ignore")
                 self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
 
-    def _view(self, seg: Segment, dtype: torch.dtype) -> torch.Tensor:
-        raw = self._maps[seg.file][1][seg.offset: seg.offset + seg.nbytes]
-        if seg.offset % dtype.itemsize:
-            raw = raw.clone()  # misaligned data cannot be viewed as a wider dtype
-        return raw.view(dtype)
+    def _bytes(self, seg: Segment) -> torch.Tensor:
+        return self._maps[seg.file][1][seg.offset: seg.offset + seg.nbytes]
 
     def contiguous_run(self, layer: int, first: int, n: int) -> bool:
-        return self.source.layout.packed is not None
+        return self.source.run_segment(layer, first, n) is not None
 
     def copy_run(self, layer: int, first: int, dst: torch.Tensor, non_blocking: bool = False) -> None:
-        n, src_dtype = dst.shape[0], self.source.dtype
-        if self.source.layout.packed and n > 1:
-            a = self.source.segments(layer, first)[0]
-            whole = Segment(a.file, a.offset, a.nbytes * n)
-            dst[:, : self.numel].copy_(self._view(whole, src_dtype).view(n, self.numel), non_blocking=non_blocking)
+        n = dst.shape[0]
+        src_fmt, fmt = self.src_formats[layer], self.formats[layer]
+        run = self.source.run_segment(layer, first, n) if n > 1 else None
+        if run is not None:
+            convert(_aligned(self._bytes(run)).view(n, -1), src_fmt, dst, fmt, non_blocking)
             return
         for i in range(n):
-            pos = 0
-            for seg in self.source.segments(layer, first + i):
-                part = self._view(seg, src_dtype)
-                dst[i, pos: pos + part.numel()].copy_(part, non_blocking=non_blocking)
-                pos += part.numel()
+            parts = [self._bytes(seg) for seg in self.source.segments(layer, first + i)]
+            if src_fmt == fmt:  # the bytes as they are, each range straight to its place
+                pos = 0
+                for part in parts:
+                    dst[i, pos: pos + part.numel()].copy_(part, non_blocking=non_blocking)
+                    pos += part.numel()
+                continue
+            whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+            convert(_aligned(whole)[None], src_fmt, dst[i: i + 1], fmt, non_blocking)
 
     def close(self) -> None:
         self._maps.clear()
 
 
+def _aligned(raw: torch.Tensor) -> torch.Tensor:
+    # A float matrix that does not start on its element size cannot be viewed as that dtype.
+    return raw if raw.data_ptr() % 8 == 0 else raw.clone()
+
+
 class DiskStore(ExpertStore):
     name = "disk"
 
-    def __init__(self, source, dtype: torch.dtype, stride: int):
-        super().__init__(source, dtype, stride)
-        self._fds = {p: os.open(p, os.O_RDONLY) for p in source.ckpt.files}
-        self._direct = source.dtype == dtype
+    def __init__(self, source: ExpertSource, dtype: torch.dtype):
+        super().__init__(source, dtype)
+        self._fds = {p: os.open(p, os.O_RDONLY) for p in source.files}
 
     def contiguous_run(self, layer: int, first: int, n: int) -> bool:
-        return self.source.layout.packed is not None
+        return self.source.run_segment(layer, first, n) is not None
 
     def _read(self, seg: Segment, targets: list[memoryview]) -> None:
         fd = self._fds[seg.file]
@@ -147,14 +196,16 @@ class DiskStore(ExpertStore):
 
     def copy_run(self, layer: int, first: int, dst: torch.Tensor, non_blocking: bool = False) -> None:
         n = dst.shape[0]
-        # Read into the slots themselves when they are host memory of the file's dtype; otherwise
-        # into a bounce buffer that is then converted and copied.
-        direct = self._direct and dst.device.type == "cpu" and dst.is_contiguous()
-        host = dst if direct else torch.empty(n, self.numel, dtype=self.source.dtype)
-        rows = [memoryview(host[i, : self.numel].view(torch.uint8).numpy()) for i in range(n)]
-        if self.source.layout.packed:
-            a = self.source.segments(layer, first)[0]
-            self._read(Segment(a.file, a.offset, a.nbytes * n), rows)  # one read for the run
+        src_fmt, fmt = self.src_formats[layer], self.formats[layer]
+        size = src_fmt.nbytes
+        # Read into the slots themselves when they are host memory holding the file's bytes as
+        # they are; otherwise into a bounce buffer that is then converted and copied.
+        direct = src_fmt == fmt and dst.device.type == "cpu" and dst.is_contiguous()
+        host = dst if direct else torch.empty(n, size, dtype=torch.uint8)
+        rows = [memoryview(host[i, :size].numpy()) for i in range(n)]
+        run = self.source.run_segment(layer, first, n) if n > 1 else None
+        if run is not None:
+            self._read(run, rows)  # one read for the run
         else:
             for i in range(n):
                 pos = 0
@@ -162,7 +213,7 @@ class DiskStore(ExpertStore):
                     self._read(seg, [rows[i][pos: pos + seg.nbytes]])
                     pos += seg.nbytes
         if not direct:
-            dst[:, : self.numel].copy_(host[:, : self.numel], non_blocking=non_blocking)
+            convert(host, src_fmt, dst, fmt, non_blocking)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -170,11 +221,10 @@ class DiskStore(ExpertStore):
         self._fds.clear()
 
 
-def make_store(name: str, source, dtype: torch.dtype, stride: int, device: torch.device):
+STORE_CLASSES = {"ram": RamStore, "mmap": MmapStore, "disk": DiskStore}
+
+
+def make_store(name: str, source: ExpertSource, dtype: torch.dtype, device: torch.device) -> ExpertStore:
     if name == "ram":
-        return RamStore(source, dtype, stride, pin=device.type == "cuda")
-    if name == "mmap":
-        return MmapStore(source, dtype, stride)
-    if name == "disk":
-        return DiskStore(source, dtype, stride)
-    raise ValueError(name)
+        return RamStore(source, dtype, pin=device.type == "cuda")
+    return STORE_CLASSES[name](source, dtype)

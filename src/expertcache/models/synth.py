@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..config import ModelConfig, parse_dtype
+from ..checkpoint.writer import PlannedTensor, atomic_output_dir, write_safetensors
+from ..config import parse_dtype
 from ..errors import ExpertCacheError
-from ..models.qwen3_moe import Qwen3Moe
 from .loader import expected_shapes
-from .writer import PlannedTensor, atomic_output_dir, write_safetensors
+from .qwen3_moe import Qwen3Moe
 
 PRESETS = {
     # Qwen3-30B-A3B: 48 layers of 128 experts of 3 x 2048 x 768, top-8.
@@ -56,7 +56,7 @@ def synth(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None = 2, 
           top_k: int | None = None, vocab: int | None = 4096, dtype: str = "bfloat16", seed: int = 0,
           force: bool = False, progress: bool = True) -> Path:
     raw = synth_config(like, layers, experts, top_k, vocab, dtype)
-    cfg = ModelConfig.from_hf(raw)
+    cfg = Qwen3Moe.config_from_hf(raw)
     torch_dtype = parse_dtype(dtype)
     layout = Qwen3Moe.expert_layouts[0]
     gen = torch.Generator().manual_seed(seed)
@@ -71,7 +71,7 @@ def synth(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None = 2, 
             yield (torch.randn(shape, generator=gen) * fan_in ** -0.5).to(torch_dtype)
         return produce
 
-    planned = [PlannedTensor(n, torch_dtype, s, random(s, n)) for n, s in expected_shapes(cfg, layout).items()]
+    planned = [PlannedTensor(n, torch_dtype, s, random(s, n)) for n, s in expected_shapes(cfg, Qwen3Moe, layout).items()]
     total = sum(t.nbytes for t in planned)
     with atomic_output_dir(Path(out), force) as tmp:
         with tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=not progress) as bar:

@@ -11,20 +11,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
-from .loader import ExpertSource, expected_shapes, open_checkpoint
-from .writer import PlannedTensor, atomic_output_dir, copy_side_files, write_safetensors
+from ..checkpoint.writer import PlannedTensor, atomic_output_dir, copy_side_files, write_safetensors
 from ..config import parse_dtype
-from ..models.base import PACKED_LAYOUT
+from ..tiers.store import convert
+from .arch import PACKED_LAYOUT
+from .loader import expected_shapes, open_model
 
 
 def pack(model_dir: str | Path, out: str | Path, dtype=None, force: bool = False, progress: bool = True) -> Path:
-    cfg, _, ckpt, layout = open_checkpoint(model_dir)
-    source = ExpertSource(ckpt, cfg, layout)
+    m = open_model(model_dir)
+    cfg, ckpt, layout, source = m.cfg, m.ckpt, m.layout, m.experts
     out_dtype = parse_dtype(dtype) or source.dtype
     planned: list[PlannedTensor] = []
-    src_names = expected_shapes(cfg, layout)
+    src_names = expected_shapes(cfg, m.arch, layout)
     expert_parts = {getattr(layout, f) for f in ("gate", "up", "down", "gate_up", "packed") if getattr(layout, f)}
     for name, shape in src_names.items():
         suffix = name.split(".", 3)[3] if name.startswith("model.layers.") else None
@@ -35,12 +37,19 @@ def pack(model_dir: str | Path, out: str | Path, dtype=None, force: bool = False
             new_name = name[: -len(suffix)] + PACKED_LAYOUT.router
         planned.append(PlannedTensor(new_name, out_dtype, shape,
                                      lambda n=name: iter([ckpt.read(n).to(out_dtype)])))
+    prefix = m.arch.tensor_names["layer"]
     for layer in cfg.moe_layers:
-        def experts(layer=layer):
+        src_fmt = source.format(layer)
+        # Written as gate, up, down of each expert in `out_dtype`: the packed layout's format.
+        out_fmt = src_fmt.with_dtype(out_dtype)
+
+        def experts(layer=layer, src_fmt=src_fmt, out_fmt=out_fmt):
             for e in range(cfg.num_experts):
-                yield source.read(layer, e).to(out_dtype)
-        planned.append(PlannedTensor(f"model.layers.{layer}.{PACKED_LAYOUT.packed}", out_dtype,
-                                     (cfg.num_experts, cfg.expert_numel), experts))
+                row = torch.empty(1, out_fmt.nbytes, dtype=torch.uint8)
+                convert(source.read(layer, e)[None], src_fmt, row, out_fmt)
+                yield row[0].view(out_dtype)
+        planned.append(PlannedTensor(prefix.format(i=layer) + PACKED_LAYOUT.packed, out_dtype,
+                                     (cfg.num_experts, 3 * cfg.hidden_size * cfg.moe_intermediate_size), experts))
     total = sum(t.nbytes for t in planned)
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     raw.pop("torch_dtype", None)

@@ -1,0 +1,70 @@
+"""Command-line flags shared by the `expertcache` commands and the benchmarks: argument types,
+the model, kernel and cache flags, and turning them into a `CacheConfig` and a loaded model.
+
+Both `commands/` and `bench/` import this; it imports only the library below them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .config import CACHE_MODES, DEFAULT_POLICY, POLICY_NAMES, STORES, CacheConfig
+from .kernels import KERNELS
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit code 2, no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int_at_least(minimum: int, text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if v < minimum:
+        raise argparse.ArgumentTypeError(f"{v} must be at least {minimum}" if minimum else f"{v} must be >= 0")
+    return v
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(1, text)
+
+
+def nonneg_int(text: str) -> int:
+    return _int_at_least(0, text)
+
+
+def add_kernels_flag(p) -> None:
+    """`--kernels`, for every command that loads a model (`p` a parser or an argument group)."""
+    p.add_argument("--kernels", choices=KERNELS, default="torch",
+                   help="decode step on the CPU in bf16: torch's kernels, or native ones compiled on first use "
+                        "(faster decode; needs g++ and ninja; results differ from torch's in the last bits)")
+
+
+def add_cache_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("expert cache")
+    g.add_argument("--cache-mode", choices=CACHE_MODES, default=None,
+                   help="cache (default when a size is given), resident (every expert in fast memory) or staging")
+    size = g.add_mutually_exclusive_group()
+    size.add_argument("--cache-experts", type=positive_int, help="slots in the cache, in experts")
+    size.add_argument("--cache-mem", help="cache size in bytes: 300MB, 2GiB, ...")
+    size.add_argument("--cache-fraction", type=float, help="cache size as a fraction of all experts")
+    g.add_argument("--cache-policy", choices=POLICY_NAMES, default=DEFAULT_POLICY, metavar="POLICY",
+                   help=f"eviction policy: {', '.join(POLICY_NAMES)} (default: {DEFAULT_POLICY})")
+    g.add_argument("--store", choices=STORES, default="ram", help="slow tier for experts (default: ram)")
+    g.add_argument("--cache-verify", action="store_true", help="checksum every slot on fill and read")
+
+
+def cache_config(args) -> CacheConfig:
+    """The cache flags as one checked config. EXPERTCACHE_CACHE_TRACE=1 prints a counter line
+    every EXPERTCACHE_CACHE_TRACE_EVERY (default 100) MoE ops: read here, at the command line,
+    and passed down, so the library itself reads no environment."""
+    trace = 0
+    if os.environ.get("EXPERTCACHE_CACHE_TRACE") == "1":
+        every = os.environ.get("EXPERTCACHE_CACHE_TRACE_EVERY", "100")
+        trace = int(every) if every.isdigit() and int(every) > 0 else 100
+    return CacheConfig(mode=args.cache_mode, experts=args.cache_experts, mem=args.cache_mem,
+                       fraction=args.cache_fraction, policy=args.cache_policy, store=args.store,
+                       verify=args.cache_verify, trace_every=trace)

@@ -1,0 +1,107 @@
+"""The decoder forward every supported architecture shares: embeddings, then per layer attention
+and either a dense MLP or the routed experts (plus a shared expert where the family has one), then
+the final norm and the LM head. What differs between families is data (`arch.py`).
+
+T = tokens, D = hidden, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..kernels import Kernels
+from ..telemetry import StepTimer
+from .layers import AttentionWeights, KVCache, MLPWeights, Rotary, attention
+from .moe import ExpertProvider, Routing, moe_experts, route
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn: AttentionWeights
+    router: torch.Tensor | None = None       # [E, D] on MoE layers
+    dense: MLPWeights | None = None          # dense (non-MoE) layers
+    shared: MLPWeights | None = None         # Qwen2-MoE shared expert
+    shared_gate: torch.Tensor | None = None  # [1, D]
+
+
+@dataclass(slots=True)
+class DenseWeights:
+    """Every weight that stays in the fast tier."""
+
+    embed: torch.Tensor    # [V, D]
+    norm: torch.Tensor     # [D]
+    lm_head: torch.Tensor  # [V, D]
+    layers: list[LayerWeights]
+
+
+def _no_lap(name: str) -> None:
+    pass
+
+
+# A hook that sees each MoE op's routing: (layer, routing). Used to record routing traces.
+RoutingHook = Callable[[int, Routing], None]
+
+
+class Decoder:
+    """Forward pass over a KV cache. The experts come from `provider`; products and norms run on
+    `kernels`; everything else is here."""
+
+    def __init__(self, cfg: ModelConfig, weights: DenseWeights, provider: ExpertProvider, kernels: Kernels,
+                 device: torch.device, dtype: torch.dtype):
+        self.cfg, self.weights, self.provider, self.kernels = cfg, weights, provider, kernels
+        self.device, self.dtype = device, dtype
+        self.rotary = Rotary(cfg, device, dtype)
+        self.routing_hook: RoutingHook | None = None
+        # A hook that forces routing (benchmarks replay recorded traces): (layer, routing) -> routing.
+        self.routing_override: Callable[[int, Routing], Routing] | None = None
+        # Set by benchmarks to split a step's time into parts; None costs nothing.
+        self.timer: StepTimer | None = None
+
+    def new_kv(self, max_len: int) -> KVCache:
+        return KVCache(self.cfg, max_len, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, kv: KVCache, all_logits: bool = True) -> torch.Tensor:
+        """Run tokens [T] after what `kv` holds; return logits [T, V] (or [1, V] for the last)."""
+        cfg, k, w = self.cfg, self.kernels, self.weights
+        eps = cfg.rms_norm_eps
+        lap = self.timer.lap if self.timer is not None else _no_lap
+        if self.timer is not None:
+            self.timer.start()
+        T = tokens.shape[0]
+        cos, sin = self.rotary(kv.length, T)
+        h = F.embedding(tokens, w.embed)  # [T, D]
+        for i, lw in enumerate(w.layers):
+            h = h + attention(k, cfg, lw.attn, k.rms_norm(h, lw.input_norm, eps), i, kv, cos, sin)
+            x = k.rms_norm(h, lw.post_norm, eps)
+            lap("attention")
+            if lw.router is None:
+                h = h + k.swiglu(x, lw.dense.gate_up, lw.dense.down)
+                lap("dense_mlp")
+                continue
+            routing = route(k, x, lw.router, cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32)
+            if self.routing_override is not None:
+                routing = self.routing_override(i, routing)
+            if self.routing_hook is not None:
+                self.routing_hook(i, routing)
+            lap("routing")
+            y = moe_experts(k, x, routing, self.provider, i)
+            if lw.shared is not None:
+                shared = k.swiglu(x, lw.shared.gate_up, lw.shared.down)        # [T, D]
+                y = y + torch.sigmoid(k.linear(x, lw.shared_gate)) * shared  # [T, D]
+            h = h + y
+            lap("experts")
+        kv.advance(T)
+        if not all_logits:
+            h = h[-1:]
+        h = k.rms_norm(h, w.norm, eps)
+        logits = k.linear(h, w.lm_head)  # [T, V]
+        lap("lm_head")
+        return logits

@@ -1,0 +1,242 @@
+"""Assembling a model from a checkpoint: the architecture's data says which tensors to expect
+and where the experts are; the format reader (`checkpoint/`) only yields named tensors.
+
+`open_model` reads and validates a checkpoint without loading weights; `load_dense` reads the
+weights that stay in the fast tier; `HFExperts` describes the experts as bytes for the tiers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.safetensors_io import Checkpoint, Segment, TensorInfo
+from ..config import ModelConfig
+from ..errors import ExpertCacheError
+from ..memory import host_copy
+from ..tiers.layout import ExpertFormat
+from . import for_model_type
+from .arch import IGNORED_SUFFIXES, PACKED_LAYOUT, Architecture, ExpertLayout
+from .decoder import DenseWeights, LayerWeights
+from .layers import AttentionWeights, MLPWeights
+
+
+def read_config(directory: str | Path) -> tuple[ModelConfig, type[Architecture], dict]:
+    d = Path(directory)
+    if not d.exists():
+        raise ExpertCacheError(f"model directory {str(d)!r} does not exist")
+    if not d.is_dir():
+        raise ExpertCacheError(f"model path {str(d)!r} is not a directory")
+    path = d / "config.json"
+    if not path.exists():
+        raise ExpertCacheError(f"{path}: missing (a model directory needs config.json)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ExpertCacheError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ExpertCacheError(f"{path}: expected a JSON object")
+    arch = for_model_type(raw.get("model_type"), str(path))
+    return arch.config_from_hf(raw, str(path)), arch, raw
+
+
+class HFExperts:
+    """A safetensors checkpoint's experts as bytes (`tiers.store.ExpertSource`).
+
+    An expert is gate [I, D], up [I, D], down [D, I] (or the fused gate_up [2I, D] and down), in
+    that order; a packed checkpoint holds each expert as one range of the same bytes.
+    """
+
+    def __init__(self, ckpt: Checkpoint, cfg: ModelConfig, layout: ExpertLayout, prefix: str):
+        self.ckpt, self.cfg, self.layout, self.prefix = ckpt, cfg, layout, prefix
+        self.files = ckpt.files
+        self.layers = cfg.moe_layers
+        self.num_experts = cfg.num_experts
+        D, I = cfg.hidden_size, cfg.moe_intermediate_size
+        self.dtype = self._tensor(self.layers[0], "down", 0).dtype
+        if layout.gate_up:
+            parts = [("gate_up", self.dtype, (2 * I, D)), ("down", self.dtype, (D, I))]
+        else:
+            parts = [("gate", self.dtype, (I, D)), ("up", self.dtype, (I, D)), ("down", self.dtype, (D, I))]
+        self._format = ExpertFormat.of(parts)
+
+    def _name(self, layer: int, part: str, e: int) -> str:
+        return self.prefix.format(i=layer) + getattr(self.layout, part).format(e=e)
+
+    def _tensor(self, layer: int, part: str, e: int) -> TensorInfo:
+        part = "packed" if self.layout.packed else part
+        return self.ckpt.info(self._name(layer, part, e))
+
+    def format(self, layer: int) -> ExpertFormat:
+        return self._format
+
+    def segments(self, layer: int, e: int) -> list[Segment]:
+        L = self.layout
+        parts = ("packed",) if L.packed else ("gate", "up", "down") if L.gate else ("gate_up", "down")
+        out = []
+        for p in parts:
+            info = self._tensor(layer, p, e)
+            if L.gate:
+                out.append(Segment(info.file, info.offset, info.nbytes))
+            else:
+                row = info.nbytes // info.shape[0]
+                out.append(Segment(info.file, info.offset + e * row, row))
+        return out
+
+    def run_segment(self, layer: int, first: int, n: int) -> Segment | None:
+        if not self.layout.packed:
+            return None
+        a = self.segments(layer, first)[0]
+        return Segment(a.file, a.offset, a.nbytes * n)
+
+    def read(self, layer: int, e: int) -> torch.Tensor:
+        L = self.layout
+        if L.packed:
+            return self.ckpt.read_rows(self._name(layer, "packed", e), e).reshape(-1).view(torch.uint8)
+        if L.gate:
+            parts = [self.ckpt.read(self._name(layer, p, e)) for p in ("gate", "up", "down")]
+        else:
+            parts = [self.ckpt.read_rows(self._name(layer, p, e), e) for p in ("gate_up", "down")]
+        return torch.cat([p.reshape(-1) for p in parts]).view(torch.uint8)
+
+
+@dataclass(slots=True)
+class OpenedModel:
+    """A validated checkpoint, nothing loaded yet."""
+
+    path: Path
+    cfg: ModelConfig
+    arch: type[Architecture]
+    ckpt: Checkpoint
+    layout: ExpertLayout
+    experts: HFExperts
+
+
+def _detect_layout(ckpt: Checkpoint, cfg: ModelConfig, arch: type[Architecture]) -> ExpertLayout:
+    prefix = arch.tensor_names["layer"].format(i=cfg.moe_layers[0])
+    for layout in (*arch.expert_layouts, PACKED_LAYOUT):
+        probe = layout.packed or layout.gate_up or layout.gate.format(e=0)
+        if prefix + probe in ckpt:
+            return layout
+    first = arch.expert_layouts[0]
+    raise ExpertCacheError(f"{ckpt.dir}: missing tensor '{prefix}{first.gate.format(e=0)}' "
+                           f"(no expert weights found in any known layout for {cfg.model_type})")
+
+
+def expected_shapes(cfg: ModelConfig, arch: type[Architecture], layout: ExpertLayout,
+                    packed_dtype: torch.dtype | None = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor name the checkpoint must hold, with its shape (a packed layout's experts are
+    [E, elements of `packed_dtype`])."""
+    N = arch.tensor_names
+    D, V, E, I = cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.moe_intermediate_size
+    qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    out: dict[str, tuple[int, ...]] = {N["embed"]: (V, D), N["norm"]: (D,)}
+    if not cfg.tie_word_embeddings:
+        out[N["lm_head"]] = (V, D)
+
+    def mlp(prefix: str, width: int) -> None:
+        out.update({prefix + "gate_proj.weight": (width, D), prefix + "up_proj.weight": (width, D),
+                    prefix + "down_proj.weight": (D, width)})
+
+    for i in range(cfg.num_layers):
+        p = N["layer"].format(i=i)
+        out[p + N["input_norm"]] = (D,)
+        out[p + N["post_norm"]] = (D,)
+        for n, shape in (("q", (qd, D)), ("k", (kd, D)), ("v", (kd, D)), ("o", (D, qd))):
+            out[p + N[n]] = shape
+        if cfg.qkv_bias:
+            for n, d in (("q", qd), ("k", kd), ("v", kd)):
+                out[p + N[n + "_bias"]] = (d,)
+        if cfg.o_bias:
+            out[p + N["o_bias"]] = (D,)
+        if cfg.qk_norm != "none":
+            head = cfg.qk_norm == "head"
+            out[p + N["q_norm"]] = (cfg.head_dim,) if head else (qd,)
+            out[p + N["k_norm"]] = (cfg.head_dim,) if head else (kd,)
+        if not cfg.sparse_layers[i]:
+            mlp(p + N["mlp"], cfg.intermediate_size)
+            continue
+        out[p + layout.router] = (E, D)
+        if layout.packed:
+            out[p + layout.packed] = (E, 3 * I * D)
+        elif layout.gate:
+            for e in range(E):
+                out[p + layout.gate.format(e=e)] = (I, D)
+                out[p + layout.up.format(e=e)] = (I, D)
+                out[p + layout.down.format(e=e)] = (D, I)
+        else:
+            out[p + layout.gate_up] = (E, 2 * I, D)
+            out[p + layout.down] = (E, D, I)
+        if cfg.shared_expert_intermediate_size:
+            mlp(p + N["shared"], cfg.shared_expert_intermediate_size)
+            out[p + N["shared_gate"]] = (1, D)
+    return out
+
+
+def open_model(path: str | Path) -> OpenedModel:
+    """Read and validate a checkpoint directory; nothing is loaded into memory yet."""
+    path = Path(path)
+    cfg, arch, _ = read_config(path)
+    ckpt = Checkpoint(path)
+    layout = _detect_layout(ckpt, cfg, arch)
+    expected = expected_shapes(cfg, arch, layout)
+    for name, shape in expected.items():
+        if name not in ckpt:
+            raise ExpertCacheError(f"{ckpt.dir}: missing tensor {name!r} (expected shape {list(shape)})")
+        got = ckpt.info(name).shape
+        if got != shape:
+            raise ExpertCacheError(f"{ckpt.info(name).file}: tensor {name!r} has shape {list(got)}, "
+                                   f"expected {list(shape)}")
+    for name in ckpt.tensors:
+        if name in expected or name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name == arch.tensor_names["lm_head"] and cfg.tie_word_embeddings:
+            continue
+        raise ExpertCacheError(f"{ckpt.info(name).file}: unexpected tensor {name!r} for {cfg.model_type}")
+    experts = HFExperts(ckpt, cfg, layout, arch.tensor_names["layer"])
+    return OpenedModel(path, cfg, arch, ckpt, layout, experts)
+
+
+def load_dense(m: OpenedModel, device: torch.device, dtype: torch.dtype) -> DenseWeights:
+    """Embedding, final norm, LM head and every layer's dense weights, in `dtype` on `device`."""
+    ckpt, cfg, N = m.ckpt, m.cfg, m.arch.tensor_names
+
+    def read(name: str) -> torch.Tensor:
+        return ckpt.read(name).to(device=device, dtype=dtype)
+
+    def get(name: str) -> torch.Tensor:
+        # Weights every step reads go to huge-page memory; fused ones are joined first.
+        return host_copy(read(name))
+
+    def opt(name: str) -> torch.Tensor | None:
+        return get(name) if name in ckpt else None
+
+    def mlp(prefix: str) -> MLPWeights:
+        gate_up = torch.cat([read(prefix + "gate_proj.weight"), read(prefix + "up_proj.weight")])
+        return MLPWeights(host_copy(gate_up), get(prefix + "down_proj.weight"))
+
+    embed = get(N["embed"])
+    lm_head = embed if cfg.tie_word_embeddings else get(N["lm_head"])
+    layers = []
+    for i in range(cfg.num_layers):
+        p = N["layer"].format(i=i)
+        qkv_bias = [opt(p + N[f"{n}_bias"]) for n in "qkv"]
+        attn = AttentionWeights(
+            qkv=host_copy(torch.cat([read(p + N[n]) for n in "qkv"])),
+            o=get(p + N["o"]), qkv_bias=torch.cat(qkv_bias) if qkv_bias[0] is not None else None,
+            o_bias=opt(p + N["o_bias"]), q_norm=opt(p + N["q_norm"]), k_norm=opt(p + N["k_norm"]))
+        if cfg.qk_norm == "head":
+            attn.stack_head_norms(cfg.num_heads, cfg.num_kv_heads)
+        lw = LayerWeights(get(p + N["input_norm"]), get(p + N["post_norm"]), attn)
+        if cfg.sparse_layers[i]:
+            lw.router = get(p + m.layout.router)
+            if cfg.shared_expert_intermediate_size:
+                lw.shared = mlp(p + N["shared"])
+                lw.shared_gate = get(p + N["shared_gate"])
+        else:
+            lw.dense = mlp(p + N["mlp"])
+        layers.append(lw)
+    return DenseWeights(embed, get(N["norm"]), lm_head, layers)
