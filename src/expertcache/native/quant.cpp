@@ -103,30 +103,37 @@ void deq_q5_1(const uint8_t* b, float* y) {
   }
 }
 
+// The K-quant decoders walk 16 weights at a time with one scale and loop-invariant shifts, so
+// that the compiler vectorises the inner loop; w = h*128 + s*32 + g*16 + i throughout.
 void deq_q2_k(const uint8_t* b, float* y) {
   const uint8_t *sc = b, *qs = b + 16;
   const float d = h2f(b + 80), dmin = h2f(b + 82);
-  for (int j = 0; j < 16; ++j) {  // 16 sub-blocks of 16 weights
-    const float dl = d * static_cast<float>(sc[j] & 15), ml = dmin * static_cast<float>(sc[j] >> 4);
-    for (int i = 0; i < 16; ++i) {
-      const int w = j * 16 + i, h = w / 128, s = (w / 32) % 4, l = w % 32;
-      y[w] = dl * static_cast<float>((qs[h * 32 + l] >> (2 * s)) & 3) - ml;
-    }
-  }
+  for (int h = 0; h < 2; ++h)
+    for (int s = 0; s < 4; ++s)
+      for (int g = 0; g < 2; ++g) {
+        const int j = h * 8 + s * 2 + g;  // sub-block of 16 weights
+        const float dl = d * static_cast<float>(sc[j] & 15), ml = dmin * static_cast<float>(sc[j] >> 4);
+        const uint8_t* q = qs + h * 32 + g * 16;
+        float* o = y + j * 16;
+        for (int i = 0; i < 16; ++i) o[i] = dl * static_cast<float>((q[i] >> (2 * s)) & 3) - ml;
+      }
 }
 
 void deq_q3_k(const uint8_t* b, float* y) {
   const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
   const float d = h2f(b + 108);
-  for (int j = 0; j < 16; ++j) {
-    const int low = j < 8 ? (sc[j] & 15) : (sc[j - 8] >> 4), high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
-    const float dl = d * static_cast<float>((low | (high << 4)) - 32);
-    for (int i = 0; i < 16; ++i) {
-      const int w = j * 16 + i, h = w / 128, s = (w / 32) % 4, l = w % 32;
-      const int q = ((qs[h * 32 + l] >> (2 * s)) & 3) - (((hmask[l] >> (w / 32)) & 1) ? 0 : 4);
-      y[w] = dl * static_cast<float>(q);
-    }
-  }
+  for (int h = 0; h < 2; ++h)
+    for (int s = 0; s < 4; ++s)
+      for (int g = 0; g < 2; ++g) {
+        const int j = h * 8 + s * 2 + g, bit = h * 4 + s;
+        const int low = j < 8 ? (sc[j] & 15) : (sc[j - 8] >> 4), high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+        const float dl = d * static_cast<float>((low | (high << 4)) - 32);
+        const uint8_t *q = qs + h * 32 + g * 16, *m = hmask + g * 16;
+        float* o = y + j * 16;
+        // A clear high bit means minus 4.
+        for (int i = 0; i < 16; ++i)
+          o[i] = dl * static_cast<float>(((q[i] >> (2 * s)) & 3) - 4 + 4 * ((m[i] >> bit) & 1));
+      }
 }
 
 // Q4_K/Q5_K: the 6-bit scale and minimum of sub-block j from the twelve scale bytes.
@@ -173,14 +180,18 @@ void deq_q6_k(const uint8_t* b, float* y) {
   const uint8_t *ql = b, *qh = b + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   const float d = h2f(b + 208);
-  for (int j = 0; j < 16; ++j) {
-    const float dl = d * static_cast<float>(sc[j]);
-    for (int i = 0; i < 16; ++i) {
-      const int w = j * 16 + i, h = w / 128, r = w % 128;
-      const int lo = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 15, hi = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 3;
-      y[w] = dl * static_cast<float>((lo | (hi << 4)) - 32);
-    }
-  }
+  for (int h = 0; h < 2; ++h)
+    for (int s = 0; s < 4; ++s)  // low 4 bits: low nibbles of ql for s < 2, high nibbles after
+      for (int g = 0; g < 2; ++g) {
+        const int j = h * 8 + s * 2 + g;
+        const float dl = d * static_cast<float>(sc[j]);
+        const uint8_t *lo = ql + h * 64 + (s % 2) * 32 + g * 16, *hi = qh + h * 32 + g * 16;
+        float* o = y + j * 16;
+        for (int i = 0; i < 16; ++i) {
+          const int q = ((lo[i] >> (4 * (s / 2))) & 15) | (((hi[i] >> (2 * s)) & 3) << 4);
+          o[i] = dl * static_cast<float>(q - 32);
+        }
+      }
 }
 
 void deq_iq4_nl(const uint8_t* b, float* y) {
