@@ -313,6 +313,55 @@ void dot_q4_k(const uint8_t* b, const float* x, Lanes& L) {
   }
 }
 
+void dot_q5_k(const uint8_t* b, const float* x, Lanes& L) {
+  const float d = h2f(b), dmin = h2f(b + 2);
+  const __m128i mask = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
+  const __m128i h0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16));
+  const __m128i h1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32));
+  for (int p = 0; p < 4; ++p) {
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 48 + p * 32));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 48 + p * 32 + 16));
+    for (int half = 0; half < 2; ++half) {
+      const int j = 2 * p + half;
+      int sc, m;
+      k_scale(b + 4, j, sc, m);
+      const __m256 dl = _mm256_set1_ps(d * static_cast<float>(sc)), ml = _mm256_set1_ps(dmin * static_cast<float>(m));
+      // Bit j of every qh byte (a 16-bit shift moves each byte's bit j to its bit 0), to bit 4.
+      const __m128i cnt = _mm_cvtsi32_si128(j);
+      const __m128i b0 = _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(h0, cnt), one), 4);
+      const __m128i b1 = _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(h1, cnt), one), 4);
+      const __m128i a = _mm_or_si128(half ? _mm_and_si128(_mm_srli_epi16(q0, 4), mask) : _mm_and_si128(q0, mask), b0);
+      const __m128i c = _mm_or_si128(half ? _mm_and_si128(_mm_srli_epi16(q1, 4), mask) : _mm_and_si128(q1, mask), b1);
+      const float* xj = x + j * 32;
+      fma8(L.a, scale_u8(a, dl, ml), xj);
+      fma8(L.b, scale_u8(_mm_srli_si128(a, 8), dl, ml), xj + 8);
+      fma8(L.a, scale_u8(c, dl, ml), xj + 16);
+      fma8(L.b, scale_u8(_mm_srli_si128(c, 8), dl, ml), xj + 24);
+    }
+  }
+}
+
+// 16 bytes, byte i 16 where bit i of the two little-endian bytes at `bits` is set, else 0.
+inline __m128i bit_bytes16(const uint8_t* bits) {
+  uint16_t v;
+  std::memcpy(&v, bits, 2);
+  const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(v), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+  const __m128i sel = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, sel), sel), _mm_set1_epi8(16));
+}
+
+void dot_q5_0(const uint8_t* b, const float* x, Lanes& L) {
+  const __m256 d = _mm256_set1_ps(h2f(b));
+  const __m128i mask = _mm_set1_epi8(15), off = _mm_set1_epi8(16);
+  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
+  const __m128i lo = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(qs, mask), bit_bytes16(b + 2)), off);
+  const __m128i hi = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), bit_bytes16(b + 4)), off);
+  fma8(L.a, scale_i8(lo, d), x);
+  fma8(L.b, scale_i8(_mm_srli_si128(lo, 8), d), x + 8);
+  fma8(L.a, scale_i8(hi, d), x + 16);
+  fma8(L.b, scale_i8(_mm_srli_si128(hi, 8), d), x + 24);
+}
+
 void dot_q8_0(const uint8_t* b, const float* x, Lanes& L) {
   const __m256 d = _mm256_set1_ps(h2f(b));
   for (int i = 0; i < 32; i += 16) {
@@ -368,18 +417,20 @@ Format format_of(int64_t type) {
     case Q8_0: return {"Q8_0", 32, 34, deq_q8_0, nullptr, dot_q8_0};
     case Q4_K: return {"Q4_K", 256, 144, deq_q4_k, nullptr, dot_q4_k};
     case Q6_K: return {"Q6_K", 256, 210, deq_q6_k, nullptr, dot_q6_k};
+    case Q5_K: return {"Q5_K", 256, 176, deq_q5_k, nullptr, dot_q5_k};
+    case Q5_0: return {"Q5_0", 32, 22, deq_q5_0, nullptr, dot_q5_0};
 #else
     case Q8_0: return {"Q8_0", 32, 34, deq_q8_0};
     case Q4_K: return {"Q4_K", 256, 144, deq_q4_k};
     case Q6_K: return {"Q6_K", 256, 210, deq_q6_k};
+    case Q5_K: return {"Q5_K", 256, 176, deq_q5_k};
+    case Q5_0: return {"Q5_0", 32, 22, deq_q5_0};
 #endif
     case Q4_0: return {"Q4_0", 32, 18, deq_q4_0};
     case Q4_1: return {"Q4_1", 32, 20, deq_q4_1};
-    case Q5_0: return {"Q5_0", 32, 22, deq_q5_0};
     case Q5_1: return {"Q5_1", 32, 24, deq_q5_1};
     case Q2_K: return {"Q2_K", 256, 84, deq_q2_k};
     case Q3_K: return {"Q3_K", 256, 110, deq_q3_k};
-    case Q5_K: return {"Q5_K", 256, 176, deq_q5_k};
     case IQ4_NL: return {"IQ4_NL", 32, 18, deq_iq4_nl};
     case IQ4_XS: return {"IQ4_XS", 256, 136, deq_iq4_xs};
     default: TORCH_CHECK(false, "ggml type ", type, " has no native kernel");
