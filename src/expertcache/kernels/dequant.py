@@ -35,15 +35,30 @@ def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
     return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
 
 
+def _words(b: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes (n a multiple of 4) as [..., n / 4] int32 words holding the same bytes.
+
+    Bit fields are cut out of words, four bytes per op: torch's byte-wise shifts are slow."""
+    try:
+        return b.view(torch.int32)
+    except RuntimeError:  # a slice at an offset that is not a multiple of 4
+        return torch.empty(b.shape, dtype=torch.uint8, device=b.device).copy_(b).view(torch.int32)
+
+
 def _nibbles(b: torch.Tensor) -> torch.Tensor:
     """[..., n] bytes -> [..., 2, n]: the low nibbles of all n bytes, then the high ones."""
-    return torch.stack((b & 0x0F, b >> 4), dim=-2)
+    w = _words(b)
+    return torch.stack((w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F), dim=-2).view(torch.uint8)
 
 
 def _bits(b: torch.Tensor, count: int, width: int, device: torch.device) -> torch.Tensor:
-    """[..., n] bytes -> [..., count, n]: field i is (b >> i*width) & mask, fields in order."""
-    shifts = torch.arange(0, count * width, width, dtype=torch.uint8, device=device)
-    return (b.unsqueeze(-2) >> shifts[:, None]) & ((1 << width) - 1)
+    """[..., n] bytes -> [..., count, n]: field i is (b >> i*width) & mask, fields in order.
+
+    Within a word a field never crosses into the next byte (i*width + width <= 8), and the mask
+    keeps each byte's own bits, so shifting whole words is the same as shifting bytes."""
+    shifts = torch.arange(0, count * width, width, dtype=torch.int32, device=device)
+    mask = ((1 << width) - 1) * 0x01010101
+    return ((_words(b).unsqueeze(-2) >> shifts[:, None]) & mask).view(torch.uint8)
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
