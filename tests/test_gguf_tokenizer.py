@@ -11,10 +11,14 @@ from pathlib import Path
 import pytest
 from tokenizers import Regex, Tokenizer, pre_tokenizers
 
+from expertcache.checkpoint.gguf_io import GGUFCheckpoint
 from expertcache.errors import ExpertCacheError
-from expertcache.gguf_tokenizer import CONTROL, NORMAL, USER_DEFINED, tokenizer_parts_from_gguf
+from expertcache.gguf_tokenizer import CONTROL, NORMAL, PRE_TOKENIZERS, USER_DEFINED, tokenizer_parts_from_gguf
+from expertcache.tokenizer import Tokenizer as ECTokenizer
 
 ASSETS = Path(__file__).resolve().parents[1] / "src" / "expertcache" / "assets"
+# Vocabulary-only GGUF files and llama.cpp's ids for them (tools/gguf_tokenizer_fixtures.py).
+RECORDED = Path(__file__).resolve().parent / "fixtures" / "gguf" / "tokenizers"
 BUNDLED = ASSETS / "tiny-qwen3-moe"
 HELDOUT = (ASSETS / "heldout.txt").read_text(encoding="utf-8")
 TRICKY = ("Hello world! I've been 'told he's there, 'RE you sure? 3 33 333 3333 33333 3.14 "
@@ -152,8 +156,6 @@ def test_errors_name_the_file_and_the_way_out():
 
 
 def test_tokenizer_from_parts_matches_the_directory_tokenizer():
-    from expertcache.tokenizer import Tokenizer as ECTokenizer
-
     ref = ECTokenizer(BUNDLED)
     got = ECTokenizer.from_parts(*tokenizer_parts_from_gguf(
         converter_metadata(BUNDLED / "tokenizer.json", "gpt-2"), "m.gguf"))
@@ -179,3 +181,37 @@ def test_end_of_generation_ids_follow_llama_cpp():
     ids = tok.encode("a<|end|>b<|channel|>c<|return|>").ids
     assert end in ids and channel in ids and ret in ids
     assert tok.decode(ids, skip_special_tokens=True) == "a<|end|>b<|channel|>c"
+
+
+def llama_cpp_ids(tok: ECTokenizer, text: str) -> list[int]:
+    """What llama_tokenize(add_special=True, parse_special=True) gives: BOS where the vocabulary
+    adds it (even before a BOS in the text), then the text with special tokens parsed."""
+    ids = tok.encode(text, add_special_tokens=False)
+    return [tok.bos_id, *ids] if tok.add_bos else ids
+
+
+@pytest.mark.parametrize("name", ["spm-tiny", "gemma4-tiny"])
+def test_sentencepiece_and_gemma4_kinds_match_llama_cpp(name):
+    rec = json.loads((RECORDED / f"{name}.ids.json").read_text(encoding="utf-8"))
+    with GGUFCheckpoint(RECORDED / f"{name}.gguf") as ck:
+        tok = ECTokenizer.from_parts(*tokenizer_parts_from_gguf(ck.metadata, str(ck.files[0])))
+    assert tok.add_bos
+    for text, want in zip(rec["texts"], rec["ids"], strict=True):
+        assert llama_cpp_ids(tok, text) == want, text[:60]
+
+
+@pytest.fixture(scope="module")
+def bpe_recording():
+    rec = json.loads((RECORDED / "bpe-tiny.ids.json").read_text(encoding="utf-8"))
+    with GGUFCheckpoint(RECORDED / "bpe-tiny.gguf") as ck:
+        return ck.metadata, rec
+
+
+@pytest.mark.parametrize("pre", sorted(PRE_TOKENIZERS))
+def test_every_supported_pre_tokenizer_matches_llama_cpp(pre, bpe_recording):
+    """The vocabulary learned its merges across every boundary, so the ids show each cut."""
+    metadata, rec = bpe_recording
+    want_all = rec["id_sets"][rec["ids"][pre]]
+    tok = ECTokenizer.from_parts(*tokenizer_parts_from_gguf({**metadata, "tokenizer.ggml.pre": pre}, "bpe-tiny.gguf"))
+    for text, want in zip(rec["texts"], want_all, strict=True):
+        assert llama_cpp_ids(tok, text) == want, text[:60]

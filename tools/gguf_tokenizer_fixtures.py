@@ -5,9 +5,10 @@ the token ids llama.cpp gives for a set of texts, for tests/test_gguf_tokenizer.
     python tools/gguf_tokenizer_fixtures.py record OUT_DIR    # the ids, with llama-cpp-python
 
 The vocabularies are trained here with the `tokenizers` library on the bundled held-out text, so
-nothing is downloaded. 'build' writes OUT_DIR/spm-tiny.gguf and OUT_DIR/gemma4-tiny.gguf;
-'record' writes OUT_DIR/<name>.ids.json: {"texts": [...], "add_special": true,
-"parse_special": true, "ids": [[...], ...]} as llama_tokenize returns them.
+nothing is downloaded. 'build' writes OUT_DIR/spm-tiny.gguf, OUT_DIR/gemma4-tiny.gguf and
+OUT_DIR/bpe-tiny.gguf (byte-level BPE); 'record' writes OUT_DIR/<name>.ids.json: {"texts": [...],
+"add_special": true, "parse_special": true, "ids": [[...], ...]} as llama_tokenize returns them
+(for bpe-tiny, "ids" maps each tokenizer.ggml.pre to its entry of "id_sets").
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ TEXTS = [
     "\n\n",
     HELDOUT[:12000],
     HELDOUT[200000:206000],
+]
+
+BPE_TEXTS = TEXTS[:3] + [
+    "<|im_start|>user\nWhat's 2+2? I'LL ask: don't, won't, it's.<|im_end|>\n<|im_start|>assistant\n<think>\n",
+    "ñandú Ελληνικά عربي ٣٤٥ 한국어 日本語のテキスト ＡＢＣ１２３ x\u0301\u0302y e\u0301 ภาษาไทย\u0e31",
+    "    indented\n\tcode(x) {\r\n  return a+b; }\n\n\n   \n",
+    "1234567890 12,345.67 $100 #1 @user https://example.com/a?b=c&d=e",
+    HELDOUT[:4000],
 ]
 
 
@@ -119,13 +128,89 @@ def build_gemma4(path: Path) -> None:
     _finish(w)
 
 
+def build_bpe(path: Path) -> None:
+    """A byte-level BPE vocabulary trained with no pre-tokenizer split on the texts themselves, so
+    that most pieces a pre-tokenizer cuts are single tokens: the ids show where each cut falls."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    trainer = trainers.BpeTrainer(vocab_size=6000, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    lines = [line for t in BPE_TEXTS for line in t.splitlines(keepends=True)]
+    tok.train_from_iterator(lines, trainer)
+    data = json.loads(tok.to_str())
+    tokens = [t for t, _ in sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    types = [NORMAL] * len(tokens)
+    for t, ty in (("<|endoftext|>", CONTROL), ("<|im_start|>", CONTROL), ("<|im_end|>", CONTROL),
+                  ("<think>", USER_DEFINED)):
+        if t in tokens:  # learned from the texts that hold it
+            types[tokens.index(t)] = ty
+        else:
+            tokens.append(t)
+            types.append(ty)
+    w = _writer(path)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    _finish(w)
+
+
+def record_bpe(path: Path) -> None:
+    """The ids of BPE_TEXTS under each pre-tokenizer llama.cpp knows of those expertcache supports."""
+    import gguf
+    import llama_cpp
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from expertcache.gguf_tokenizer import PRE_TOKENIZERS
+
+    reader = gguf.GGUFReader(path)
+    out, unknown = {}, []
+    for pre in sorted(PRE_TOKENIZERS):
+        tmp = path.with_name(f"_{pre}.gguf")
+        w = gguf.GGUFWriter(str(tmp), "llama")
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF.") or key == "general.architecture":
+                continue
+            value = pre if key == "tokenizer.ggml.pre" else field.contents()
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, value, field.types[0], sub_type=sub)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.close()
+        try:
+            llm = llama_cpp.Llama(model_path=str(tmp), vocab_only=True, verbose=False)
+        except ValueError:  # this llama.cpp does not know the pre-tokenizer
+            unknown.append(pre)
+            continue
+        finally:
+            tmp.unlink()
+        out[pre] = [llm.tokenize(t.encode("utf-8"), add_bos=True, special=True) for t in BPE_TEXTS]
+    # Many names share one split: each distinct list of ids is stored once.
+    id_sets = []
+    for ids in out.values():
+        if ids not in id_sets:
+            id_sets.append(ids)
+    rec = path.with_suffix(".ids.json")
+    rec.write_text(json.dumps({"llama_cpp_python": llama_cpp.__version__, "texts": BPE_TEXTS,
+                               "add_special": True, "parse_special": True, "ids": {pre: id_sets.index(ids) for pre, ids in out.items()}, "id_sets": id_sets,
+                               "unknown_to_llama_cpp": unknown}, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"{rec}: {len(out)} pre-tokenizers, {len(id_sets)} distinct; unknown to this llama.cpp: {unknown}")
+
+
 def record(path: Path) -> None:
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     ids = [llm.tokenize(t.encode("utf-8"), add_bos=True, special=True) for t in TEXTS]
     out = path.with_suffix(".ids.json")
-    out.write_text(json.dumps({"texts": TEXTS, "add_special": True, "parse_special": True, "ids": ids},
+    out.write_text(json.dumps({"llama_cpp_python": llama_cpp.__version__, "texts": TEXTS, "add_special": True,
+                               "parse_special": True, "ids": ids},
                               ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"{out}: {sum(map(len, ids))} ids for {len(TEXTS)} texts")
 
@@ -139,9 +224,11 @@ def main(argv: list[str]) -> None:
     if argv[0] == "build":
         build_spm(names[0])
         build_gemma4(names[1])
+        build_bpe(out / "bpe-tiny.gguf")
     else:
         for p in names:
             record(p)
+        record_bpe(out / "bpe-tiny.gguf")
 
 
 if __name__ == "__main__":
