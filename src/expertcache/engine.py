@@ -29,13 +29,15 @@ from .tokenizer import StreamDecoder, Tokenizer
 
 @dataclass
 class Session:
-    """Token ids whose keys and values `kv` holds: one conversation's state."""
+    """Token ids whose keys and values `kv` holds: one conversation's state. `version` is the
+    model's weights version the state was computed with: state from other weights is never reused."""
 
     kv: KVCache
     tokens: list[int] = field(default_factory=list)
+    version: int = 0
 
     def copy(self) -> Session:
-        return Session(self.kv.copy(), list(self.tokens))
+        return Session(self.kv.copy(), list(self.tokens), self.version)
 
     def truncate(self, n: int) -> None:
         self.kv.truncate(n)
@@ -87,6 +89,8 @@ class Model:
         self.path, self.options, self.cfg, self.net, self.tokenizer = path, options, cfg, net, tokenizer
         self.ctx_size = options.ctx_size or cfg.max_position
         self.experts = experts  # the expert provider: the slot cache over the slow tier
+        # Bumped at each reload: everything computed from the weights records it (sessions).
+        self.version = 0
         self.eos_ids = set(cfg.eos_token_id)
         if tokenizer is not None and tokenizer.eos_id is not None:
             self.eos_ids.add(tokenizer.eos_id)
@@ -97,7 +101,7 @@ class Model:
 
     # ---- state ----
     def new_session(self) -> Session:
-        return Session(self.net.new_kv(self.ctx_size))
+        return Session(self.net.new_kv(self.ctx_size), version=self.version)
 
     def telemetry(self) -> dict:
         return self.experts.telemetry()
@@ -118,6 +122,7 @@ class Model:
         self.cfg, self.net, _ = _assemble(self.path, self.options, old.kernels, self.experts)
         self.net.routing_hook, self.net.routing_override, self.net.timer = (
             old.routing_hook, old.routing_override, old.timer)
+        self.version += 1
 
     # ---- forwards ----
     def logits(self, token_ids) -> torch.Tensor:
@@ -128,15 +133,22 @@ class Model:
         return self.net.forward(ids, self.net.new_kv(len(ids)))
 
     def prefill(self, session: Session, token_ids: list[int], ubatch: int = 512,
-                all_logits: bool = False) -> torch.Tensor:
-        """Append token_ids to the session in micro-batches; logits of the last token [V] (or all [T, V])."""
+                all_logits: bool = False, should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+        """Append token_ids to the session in micro-batches; logits of the last token [V] (or all
+        [T, V]). `should_stop` is asked before each micro-batch after the first: when it says
+        yes, prefill stops there (the session holds what was processed) and returns None."""
         if ubatch < 1:
             raise ExpertCacheError(f"ubatch {ubatch} must be at least 1")
         if not token_ids:
             raise ExpertCacheError("nothing to process: the prompt is empty")
         self._check_fits(session.kv.length + len(token_ids))
+        if session.version != self.version:
+            raise ExpertCacheError("the session was computed with weights that have since changed; "
+                                   "start a new session")
         outs = []
         for s in range(0, len(token_ids), ubatch):
+            if s and should_stop is not None and should_stop():
+                return None
             chunk = token_ids[s: s + ubatch]
             last = s + ubatch >= len(token_ids)
             out = self.net.forward(self._as_tensor(chunk), session.kv, all_logits=all_logits)
@@ -163,10 +175,12 @@ class Model:
                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                  stop: list[str] | None = None, ubatch: int = 512, session: Session | None = None,
                  on_text: Callable[[str], bool | None] | None = None,
-                 ignore_eos: bool = False) -> GenerationResult:
+                 ignore_eos: bool = False, should_stop: Callable[[], bool] | None = None) -> GenerationResult:
         """Generate after `prompt`. With `session`, its longest common prefix with the prompt is
-        reused and the session holds the conversation afterwards. `on_text` receives each new
-        piece of text; returning False stops generation."""
+        reused and the session holds the conversation afterwards (state computed with weights
+        that have since changed is dropped, never reused). `on_text` receives each new piece of
+        text; returning False stops generation. `should_stop` is asked between prefill
+        micro-batches; a yes ends the call with finish reason `abort`."""
         if max_tokens < 0:
             raise ExpertCacheError(f"max_tokens {max_tokens} must be >= 0")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -177,13 +191,18 @@ class Model:
         self.begin_call()
         if session is None:
             session = self.new_session()
+        if session.version != self.version:
+            session.truncate(0)
+            session.version = self.version
         cached = common_prefix(session.tokens, ids)
         cached = min(cached, len(ids) - 1)  # the last prompt token must run to give logits
         session.truncate(cached)
 
         t0 = time.perf_counter()
-        logits = self.prefill(session, ids[cached:], ubatch)
+        logits = self.prefill(session, ids[cached:], ubatch, should_stop=should_stop)
         t1 = time.perf_counter()
+        if logits is None:
+            return GenerationResult("", [], len(ids), cached, "abort", t1 - t0, 0.0)
         out: list[int] = []
         decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
         text = ""

@@ -31,6 +31,7 @@ class Telemetry:
         self.pre_invalid_hit = 0
         self.load_copied_experts = 0
         self.load_copied_bytes = 0
+        self.copy_failures = 0  # copies that failed; their slots were left empty
         self.copy_seconds = 0.0  # wall time spent issuing copies (on a CPU: doing them)
         self.trace_every = trace_every
         self._ops = 0
@@ -84,6 +85,7 @@ class Telemetry:
             "pre_invalid_hit": self.pre_invalid_hit,
             "load_copied_experts": self.load_copied_experts,
             "load_copied_bytes": self.load_copied_bytes,
+            "copy_failures": self.copy_failures,
             "copy_seconds": self.copy_seconds,
         }
 

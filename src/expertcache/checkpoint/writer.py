@@ -61,24 +61,61 @@ def write_safetensors(path: Path, tensors: list[PlannedTensor], on_bytes: Callab
                 raise AssertionError(f"{t.name}: wrote {written} bytes, planned {t.nbytes}")
 
 
-@contextlib.contextmanager
-def atomic_output_dir(out: Path, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory beside `out`; it becomes `out` only if the block completes.
-    On any error or interrupt it is removed, so no half-written output is ever left."""
+# Every directory `atomic_output_dir` writes holds this file: --force replaces only such outputs.
+OUTPUT_MARKER = ".expertcache-output"
+
+
+def check_output(out: Path, force: bool, sources: tuple[Path, ...] = ()) -> Path:
+    """Refuse an output path whose replacement could delete what this command did not write:
+    the current directory or one above it, a source or a directory holding one, or an existing
+    path that is not an earlier output of ours. Returns the path, resolved."""
     out = Path(out)
-    if out.exists() and not force:
-        raise ExpertCacheError(f"output {str(out)!r} already exists (remove it or pass --force)")
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.exists():
+    full = out.resolve()
+    cwd = Path.cwd().resolve()
+    if full == cwd or full in cwd.parents:
+        raise ExpertCacheError(f"output {str(out)!r} is the current directory or one above it: "
+                               "expected a new directory to write")
+    for src in sources:
+        src = Path(src).resolve()
+        if full == src or full in src.parents or src in full.parents:
+            raise ExpertCacheError(f"output {str(out)!r} overlaps the source {str(src)!r}: expected a path "
+                                   "outside it")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ExpertCacheError(f"output {str(out)!r} exists and is not a directory this command wrote: "
+                               "expected a new path")
+    if out.exists():
+        if not (out / OUTPUT_MARKER).is_file():
+            raise ExpertCacheError(f"output {str(out)!r} exists and was not written by expertcache "
+                                   f"(no {OUTPUT_MARKER} in it): expected a new path; --force replaces "
+                                   "only earlier outputs of pack and synth")
+        if not force:
+            raise ExpertCacheError(f"output {str(out)!r} already exists (remove it or pass --force)")
+    parent = full.parent
+    if not parent.is_dir():
         raise ExpertCacheError(f"output directory's parent {str(parent)!r} does not exist")
-    tmp = parent / f".{out.name}.partial-{os.getpid()}"
+    return full
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: Path, force: bool = False, sources: tuple[Path, ...] = ()) -> Iterator[Path]:
+    """Yield a temporary directory beside `out`; it becomes `out` only if the block completes.
+    On any error or interrupt it is removed, so no half-written output is ever left. The path is
+    checked first (`check_output`), before anything is written; an earlier output is replaced by
+    two renames, so that `out` names a complete directory at every moment but between them."""
+    full = check_output(out, force, sources)
+    tmp = full.parent / f".{full.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        (tmp / OUTPUT_MARKER).write_text('{"written_by": "expertcache"}\n')
+        if full.exists():
+            old = full.parent / f".{full.name}.old-{os.getpid()}"
+            os.replace(full, old)
+            os.replace(tmp, full)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, full)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -54,7 +54,7 @@ def pack(model_dir: str | Path, out: str | Path, dtype=None, force: bool = False
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     raw.pop("torch_dtype", None)
     raw["dtype"] = str(out_dtype).removeprefix("torch.")
-    with atomic_output_dir(Path(out), force) as tmp:
+    with atomic_output_dir(Path(out), force, sources=(Path(model_dir),)) as tmp:
         with tqdm(total=total, unit="B", unit_scale=True, desc="packing", disable=not progress) as bar:
             write_safetensors(tmp / "model.safetensors", planned, bar.update)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))

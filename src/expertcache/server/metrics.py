@@ -58,7 +58,8 @@ class ServerCollector(Collector):
         for name, doc in (("pre_invalid_loaded", "slots resident when an invalidation cleared them"),
                           ("pre_invalid_hit", "cleared slots that the next op would have hit"),
                           ("load_copied_experts", "experts copied while loading or resizing"),
-                          ("load_copied_bytes", "bytes copied while loading or resizing")):
+                          ("load_copied_bytes", "bytes copied while loading or resizing"),
+                          ("copy_failures", "copies from the slow tier that failed (their slots left empty)")):
             yield CounterMetricFamily(f"{PREFIX}_cache_{name}", doc, value=t.get(name, 0))
         total = t.get("total", {})
         yield GaugeMetricFamily(f"{PREFIX}_cache_hit_rate", "resident hits / used experts since start",

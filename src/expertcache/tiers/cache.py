@@ -127,20 +127,42 @@ class ExpertCache:
             self.telemetry_.pre_invalid_hit += len(pending.intersection(experts))
         views = self.views[layer]
         copied = ranges = 0
-        for wave in plan.waves:
-            if wave.fills:
-                ranges += self._copy_wave(layer, wave)
-                copied += len(wave.fills)
-            self.transfers.before_compute()
-            if self.config.verify:
-                for e, s in zip(wave.experts, wave.slots):
-                    self._verify(layer, e, s)
-            try:
-                yield [(e, views[s]) for e, s in zip(wave.experts, wave.slots)]
-            finally:
-                self.transfers.after_compute(wave.slots)
+        done = 0  # waves whose copies completed; the residency of later waves' fills is only a plan
+        try:
+            for wave in plan.waves:
+                if wave.fills:
+                    try:
+                        ranges += self._copy_wave(layer, wave)
+                    except BaseException:
+                        self.telemetry_.copy_failures += 1
+                        raise
+                    copied += len(wave.fills)
+                done += 1
+                self.transfers.before_compute()
+                if self.config.verify:
+                    for e, s in zip(wave.experts, wave.slots):
+                        self._verify(layer, e, s)
+                try:
+                    yield [(e, views[s]) for e, s in zip(wave.experts, wave.slots)]
+                finally:
+                    self.transfers.after_compute(wave.slots)
+        finally:
+            # A copy that failed, or a caller that left early, leaves the bookkeeping as if the
+            # remaining copies had never been planned: their slots are not marked resident.
+            self._unplan(layer, plan.waves[done:])
         self.telemetry_.op(layer, len(experts), plan.loaded_before, len(plan.hits), copied, ranges,
                            len(plan.evicted), len(plan.waves))
+
+    def _unplan(self, layer: int, waves: list) -> None:
+        keys = [ExpertKey(layer, e) for w in waves for e, _ in w.fills]
+        if not keys:
+            return
+        slots = [self.residency.slot_of(k) for k in keys]
+        self.residency.invalidate(keys)
+        for s in slots:
+            if s is not None:
+                self.content[s] = None
+                self.checksums[s] = None
 
     def _copy_wave(self, layer: int, wave) -> int:
         """Issue the wave's copies; return how many transfers were issued."""

@@ -3,7 +3,7 @@ one layer into consecutive slots.
 
 - `RamStore`: every expert packed in host memory in its slot format, one row per expert (pinned
   when the fast tier is a GPU), so a run of experts is one copy.
-- `MmapStore`: experts read from the memory-mapped checkpoint.
+- `MmapStore`: experts read from the checkpoint through the page cache, which keeps them.
 - `DiskStore`: experts read with `preadv` straight into their slots (or through a bounce buffer
   when float matrices must change dtype), then `posix_fadvise(DONTNEED)` so the page cache does
   not quietly hold the model and a RAM budget stays honest.
@@ -14,15 +14,15 @@ when the file's differs. `mmap` and `disk` read an expert's matrices as several 
 checkpoints, and a run of experts as one range where the source says it is one.
 
 A store also knows the identity and version of the files it reads (device, inode, size, mtime and
-ctime in nanoseconds), which the cache compares at the start of each top-level call.
+ctime in nanoseconds), which the cache compares at the start of each top-level call; the file
+stores also check it after every copy, so a call never uses bytes of two versions.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
-import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from ..checkpoint.safetensors_io import Segment
+from ..errors import CopyError, ModelChangedError
 from ..memory import host_zeros
 from .layout import ExpertFormat, slot_nbytes
 
@@ -129,58 +130,21 @@ class RamStore(ExpertStore):
         dst.copy_(self.rows[layer][first: first + dst.shape[0]], non_blocking=non_blocking)
 
 
-class MmapStore(ExpertStore):
-    name = "mmap"
-
-    def __init__(self, source: ExpertSource, dtype: torch.dtype):
-        super().__init__(source, dtype)
-        self._maps: dict[Path, tuple[mmap.mmap, torch.Tensor]] = {}
-        for path in source.files:
-            with open(path, "rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            with warnings.catch_warnings():  # read-only mapping: we never write through it
-                warnings.simplefilter("ignore")
-                self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
-
-    def _bytes(self, seg: Segment) -> torch.Tensor:
-        return self._maps[seg.file][1][seg.offset: seg.offset + seg.nbytes]
-
-    def contiguous_run(self, layer: int, first: int, n: int) -> bool:
-        return self.source.run_segment(layer, first, n) is not None
-
-    def copy_run(self, layer: int, first: int, dst: torch.Tensor, non_blocking: bool = False) -> None:
-        n = dst.shape[0]
-        src_fmt, fmt = self.src_formats[layer], self.formats[layer]
-        run = self.source.run_segment(layer, first, n) if n > 1 else None
-        if run is not None:
-            convert(_aligned(self._bytes(run)).view(n, -1), src_fmt, dst, fmt, non_blocking)
-            return
-        for i in range(n):
-            parts = [self._bytes(seg) for seg in self.source.segments(layer, first + i)]
-            if src_fmt == fmt:  # the bytes as they are, each range straight to its place
-                pos = 0
-                for part in parts:
-                    dst[i, pos: pos + part.numel()].copy_(part, non_blocking=non_blocking)
-                    pos += part.numel()
-                continue
-            whole = parts[0] if len(parts) == 1 else torch.cat(parts)
-            convert(_aligned(whole)[None], src_fmt, dst[i: i + 1], fmt, non_blocking)
-
-    def close(self) -> None:
-        self._maps.clear()
-
-
-def _aligned(raw: torch.Tensor) -> torch.Tensor:
-    # A float matrix that does not start on its element size cannot be viewed as that dtype.
-    return raw if raw.data_ptr() % 8 == 0 else raw.clone()
-
-
 class DiskStore(ExpertStore):
+    """Reads with `preadv` from files it keeps open, so that an atomic replacement of the
+    checkpoint cannot reach a call in flight; after each copy, `fstat` confirms that no file it
+    read changed in place, before any byte read is used."""
+
     name = "disk"
+    drop_cache = True  # posix_fadvise(DONTNEED) after each read: the page cache keeps nothing
 
     def __init__(self, source: ExpertSource, dtype: torch.dtype):
         super().__init__(source, dtype)
         self._fds = {p: os.open(p, os.O_RDONLY) for p in source.files}
+        self.reads = 0
+        # Called with the running count after each read; tests use it to change the file at an
+        # exact point of a request, so that they cannot pass by missing the window.
+        self.read_hook: Callable[[int], None] | None = None
 
     def contiguous_run(self, layer: int, first: int, n: int) -> bool:
         return self.source.run_segment(layer, first, n) is not None
@@ -188,11 +152,26 @@ class DiskStore(ExpertStore):
     def _read(self, seg: Segment, targets: list[memoryview]) -> None:
         fd = self._fds[seg.file]
         want = sum(t.nbytes for t in targets)
-        got = os.preadv(fd, targets, seg.offset)
+        try:
+            got = os.preadv(fd, targets, seg.offset)
+        except OSError as e:
+            raise CopyError(f"{seg.file}: cannot read {want} bytes at byte {seg.offset}: {e.strerror}") from None
+        self.reads += 1
+        if self.read_hook is not None:
+            self.read_hook(self.reads)
         if got != want:
-            raise OSError(f"{seg.file}: short read at byte {seg.offset}: {got} of {want} bytes")
-        if hasattr(os, "posix_fadvise"):
+            self._check(seg.file)  # a file cut short in place is a change of version
+            raise CopyError(f"{seg.file}: short read at byte {seg.offset}: {got} of {want} bytes")
+        if self.drop_cache and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, seg.offset, seg.nbytes, os.POSIX_FADV_DONTNEED)
+
+    def _check(self, path: Path) -> None:
+        # The file's contents are the same while its size and mtime are; ctime is left out, since
+        # unlinking the file (an atomic replacement of its name) changes it without a byte changing.
+        st = os.fstat(self._fds[path])
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self.versions[path][:4]:
+            raise ModelChangedError(f"{path}: the checkpoint changed on disk while it was being read; "
+                                    "the call was stopped (the next one loads the new version)")
 
     def copy_run(self, layer: int, first: int, dst: torch.Tensor, non_blocking: bool = False) -> None:
         n = dst.shape[0]
@@ -204,14 +183,19 @@ class DiskStore(ExpertStore):
         host = dst if direct else torch.empty(n, size, dtype=torch.uint8)
         rows = [memoryview(host[i, :size].numpy()) for i in range(n)]
         run = self.source.run_segment(layer, first, n) if n > 1 else None
+        files = set()
         if run is not None:
             self._read(run, rows)  # one read for the run
+            files.add(run.file)
         else:
             for i in range(n):
                 pos = 0
                 for seg in self.source.segments(layer, first + i):
                     self._read(seg, [rows[i][pos: pos + seg.nbytes]])
+                    files.add(seg.file)
                     pos += seg.nbytes
+        for path in files:
+            self._check(path)
         if not direct:
             convert(host, src_fmt, dst, fmt, non_blocking)
 
@@ -219,6 +203,15 @@ class DiskStore(ExpertStore):
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+class MmapStore(DiskStore):
+    """Experts read from the checkpoint through the page cache, which keeps them (the
+    memory-mapped tier). Reads are `preadv`, not loads from a mapping: a file truncated under a
+    mapping kills the process with SIGBUS, while a read reports it as an error."""
+
+    name = "mmap"
+    drop_cache = False
 
 
 STORE_CLASSES = {"ram": RamStore, "mmap": MmapStore, "disk": DiskStore}

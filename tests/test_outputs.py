@@ -1,0 +1,67 @@
+"""`pack` and `synth` never delete what they did not write: -o naming the current directory, a
+source or a directory above one, or an existing path that is not an earlier output of theirs, is
+a one-line error before anything is written; --force replaces only their own outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import assert_one_line_error, build_reference, run_cli, save_checkpoint, tiny_config
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return save_checkpoint(build_reference(tiny_config("qwen3_moe")), tmp_path_factory.mktemp("src") / "model")
+
+
+def _snapshot(d):
+    return sorted((p.relative_to(d), p.read_bytes()) for p in d.rglob("*") if p.is_file())
+
+
+def test_pack_refuses_the_current_directory(source, tmp_path, monkeypatch, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    for out in (".", str(work), ".."):
+        code, err = run_cli(capsys, "pack", "-m", str(source), "-o", out, "--force")
+        assert_one_line_error(code, err, repr(out), "current directory")
+    assert (work / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("where", ["source", "parent"])
+def test_pack_refuses_the_source_and_what_holds_it(source, capsys, where):
+    before = _snapshot(source.parent)
+    out = source if where == "source" else source.parent
+    code, err = run_cli(capsys, "pack", "-m", str(source), "-o", str(out), "--force")
+    assert_one_line_error(code, err, str(out), "source")
+    assert _snapshot(source.parent) == before
+
+
+def test_force_never_replaces_what_it_did_not_write(source, tmp_path, capsys):
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "a.jpg").write_bytes(b"\xff\xd8")
+    afile = tmp_path / "file.bin"
+    afile.write_bytes(b"data")
+    for cmd in (["pack", "-m", str(source)], ["synth", "--like", "tiny", "--layers", "1"]):
+        code, err = run_cli(capsys, *cmd, "-o", str(other), "--force")
+        assert_one_line_error(code, err, str(other), "not written by expertcache")
+        code, err = run_cli(capsys, *cmd, "-o", str(afile), "--force")
+        assert_one_line_error(code, err, str(afile), "not a directory")
+    assert (other / "a.jpg").read_bytes() == b"\xff\xd8" and afile.read_bytes() == b"data"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial output left
+
+
+def test_force_replaces_an_earlier_output(source, tmp_path, capsys):
+    out = tmp_path / "packed"
+    assert run_cli(capsys, "pack", "-m", str(source), "-o", str(out))[0] == 0
+    first = _snapshot(out)
+    code, err = run_cli(capsys, "pack", "-m", str(source), "-o", str(out))
+    assert_one_line_error(code, err, str(out), "already exists")
+    assert run_cli(capsys, "pack", "-m", str(source), "-o", str(out), "--force")[0] == 0
+    assert _snapshot(out) == first
+    syn = tmp_path / "syn"
+    assert run_cli(capsys, "synth", "--like", "tiny", "--layers", "1", "-o", str(syn))[0] == 0
+    assert run_cli(capsys, "synth", "--like", "tiny", "--layers", "1", "-o", str(syn), "--force", "--seed", "3")[0] == 0
+    assert (syn / ".expertcache-output").is_file()
