@@ -8,9 +8,10 @@ from .arch import Architecture
 from .mixtral import Mixtral
 from .olmoe import Olmoe
 from .qwen2_moe import Qwen2Moe
+from .qwen3_5_moe import Qwen35Moe
 from .qwen3_moe import Qwen3Moe
 
-ARCHITECTURES: tuple[type[Architecture], ...] = (Qwen3Moe, Qwen2Moe, Olmoe, Mixtral)
+ARCHITECTURES: tuple[type[Architecture], ...] = (Qwen3Moe, Qwen2Moe, Olmoe, Mixtral, Qwen35Moe)
 
 
 def supported() -> str:

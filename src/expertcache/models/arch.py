@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from ..config import ModelConfig, RopeConfig, parse_dtype
 from ..errors import ExpertCacheError
+from .mixers import Attention, Mixer
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,24 @@ class Architecture:
     shared_expert_width: ClassVar[Key | None] = None
     sliding_window_switch: ClassVar[str | None] = "use_sliding_window"  # None: a window always applies
     router_weights_fp32: ClassVar[bool] = False
+    # Norms scale by 1 + w, computed and applied in fp32 (Qwen3.5); the loader adds the 1.
+    unit_offset_norms: ClassVar[bool] = False
+    # Name prefixes of tensors a checkpoint may hold that this engine does not run (a vision
+    # tower, a multi-token-prediction head): skipped with one notice instead of an error.
+    skipped_prefixes: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def names(cls, cfg: ModelConfig) -> dict[str, str]:
+        """The tensor-name table of a checkpoint with this config (`tensor_names` unless a family
+        names its tensors differently by checkpoint kind)."""
+        return cls.tensor_names
+
+    @classmethod
+    def mixers(cls, cfg: ModelConfig) -> tuple[Mixer, ...]:
+        """Each layer's token mixer (`mixers.py`); attention in every layer unless a family says
+        otherwise."""
+        attention = Attention(cfg, cls.names(cfg))
+        return (attention,) * cfg.num_layers
 
     @classmethod
     def matches_gguf(cls, metadata: dict) -> bool:

@@ -1,6 +1,8 @@
-"""The decoder forward every supported architecture shares: embeddings, then per layer attention
-and either a dense MLP or the routed experts (plus a shared expert where the family has one), then
-the final norm and the LM head. What differs between families is data (`arch.py`).
+"""The decoder forward every supported architecture shares: embeddings, then per layer a token
+mixer (attention, gated attention or a recurrent DeltaNet, as the architecture names it for that
+layer: `mixers.py`) and either a dense MLP or the routed experts (plus a shared expert where the
+family has one), then the final norm and the LM head. What differs between families is data
+(`arch.py`).
 
 T = tokens, D = hidden, V = vocabulary.
 """
@@ -15,16 +17,21 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..kernels import Kernels
+from ..errors import ExpertCacheError
 from ..telemetry import StepTimer
-from .layers import AttentionWeights, KVCache, MLPWeights, Rotary, attention
+from .gated_attention import rms_norm_fp32
+from .layers import KVCache, MLPWeights, Rotary
+from .mixers import Mixer
 from .moe import ExpertProvider, Routing, moe_experts, route
+from .state import SequenceState
 
 
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    attn: AttentionWeights
+    attn: object                             # the mixer's weights (AttentionWeights, DeltaNetWeights, ...)
+    mixer: Mixer | None = None               # what runs `attn`; set by the loader
     router: torch.Tensor | None = None       # [E, D] on MoE layers
     dense: MLPWeights | None = None          # dense (non-MoE) layers
     shared: MLPWeights | None = None         # Qwen2-MoE shared expert
@@ -39,6 +46,9 @@ class DenseWeights:
     norm: torch.Tensor     # [D]
     lm_head: torch.Tensor  # [V, D]
     layers: list[LayerWeights]
+    # Norm weights hold 1 + w in fp32, applied in fp32 and rounded once (Qwen3.5), instead of w
+    # applied in the compute dtype.
+    fp32_norms: bool = False
 
 
 def _no_lap(name: str) -> None:
@@ -50,14 +60,18 @@ RoutingHook = Callable[[int, Routing], None]
 
 
 class Decoder:
-    """Forward pass over a KV cache. The experts come from `provider`; products and norms run on
-    `kernels`; everything else is here."""
+    """Forward pass over a sequence state (`new_kv`). The experts come from `provider`; products
+    and norms run on `kernels`; everything else is here."""
 
     def __init__(self, cfg: ModelConfig, weights: DenseWeights, provider: ExpertProvider, kernels: Kernels,
                  device: torch.device, dtype: torch.dtype):
         self.cfg, self.weights, self.provider, self.kernels = cfg, weights, provider, kernels
         self.device, self.dtype = device, dtype
-        self.rotary = Rotary(cfg, device, dtype)
+        dims = {lw.mixer.rotary_dim for lw in weights.layers if lw.mixer.rotary_dim is not None}
+        if len(dims) > 1:
+            raise ExpertCacheError(f"layers rotate {sorted(dims)} dims of a head; expected one rotary width")
+        self.rotary = Rotary(cfg, device, dtype, dims.pop() if dims else None)
+        self.norm = rms_norm_fp32 if weights.fp32_norms else kernels.rms_norm
         self.routing_hook: RoutingHook | None = None
         # A hook that forces routing (benchmarks replay recorded traces): (layer, routing) -> routing.
         self.routing_override: Callable[[int, Routing], Routing] | None = None
@@ -65,22 +79,31 @@ class Decoder:
         self.timer: StepTimer | None = None
 
     def new_kv(self, max_len: int) -> KVCache:
-        return KVCache(self.cfg, max_len, self.device, self.dtype)
+        """A fresh sequence state: keys and values for the attention layers, and a recurrent
+        state (with snapshots, `state.py`) where some layers are recurrent."""
+        layers = self.weights.layers
+        recurrent = {i: lw.mixer.new_state(self.device, self.dtype) for i, lw in enumerate(layers)
+                     if lw.mixer.recurrent}
+        attention = [i for i, lw in enumerate(layers) if not lw.mixer.recurrent]
+        if not recurrent:
+            return KVCache(self.cfg, max_len, self.device, self.dtype, attention)
+        return SequenceState(self.cfg, max_len, self.device, self.dtype, attention, recurrent)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, kv: KVCache, all_logits: bool = True) -> torch.Tensor:
         """Run tokens [T] after what `kv` holds; return logits [T, V] (or [1, V] for the last)."""
-        cfg, k, w = self.cfg, self.kernels, self.weights
+        cfg, k, w, norm = self.cfg, self.kernels, self.weights, self.norm
         eps = cfg.rms_norm_eps
         lap = self.timer.lap if self.timer is not None else _no_lap
         if self.timer is not None:
             self.timer.start()
         T = tokens.shape[0]
+        kv.begin(T)
         cos, sin = self.rotary(kv.length, T)
         h = F.embedding(tokens, w.embed)  # [T, D]
         for i, lw in enumerate(w.layers):
-            h = h + attention(k, cfg, lw.attn, k.rms_norm(h, lw.input_norm, eps), i, kv, cos, sin)
-            x = k.rms_norm(h, lw.post_norm, eps)
+            h = h + lw.mixer(k, lw.attn, norm(h, lw.input_norm, eps), i, kv, cos, sin)
+            x = norm(h, lw.post_norm, eps)
             lap("attention")
             if lw.router is None:
                 h = h + k.swiglu(x, lw.dense.gate_up, lw.dense.down)
@@ -101,7 +124,7 @@ class Decoder:
         kv.advance(T)
         if not all_logits:
             h = h[-1:]
-        h = k.rms_norm(h, w.norm, eps)
+        h = norm(h, w.norm, eps)
         logits = k.linear(h, w.lm_head)  # [T, V]
         lap("lm_head")
         return logits

@@ -7,6 +7,7 @@ H = query heads, G = key/value heads, Dh = head dim, I = MLP width.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,10 +24,12 @@ class Rotary:
     slices them. The sign of rotate-half is folded into the sin table: (-x) * s == x * (-s)
     exactly, and a decode step saves the negation."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
-        inv_freq, self.scale = cfg.rope.inv_freq(cfg.head_dim)
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, dim: int | None = None):
+        # `dim`: the rotated dims of a head where only a part of it rotates (partial rotary).
+        dim = dim or cfg.head_dim
+        inv_freq, self.scale = cfg.rope.inv_freq(dim)
         self.inv_freq, self.dtype = inv_freq.to(device), dtype
-        self.cos = self.sin = torch.empty(0, cfg.head_dim, device=device, dtype=dtype)
+        self.cos = self.sin = torch.empty(0, dim, device=device, dtype=dtype)
 
     def _grow(self, n: int) -> None:
         positions = torch.arange(n, device=self.inv_freq.device)
@@ -51,18 +54,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class KVCache:
-    """Keys and values of every layer for one sequence; it grows on demand up to `max_len`.
+    """Keys and values of the attention layers for one sequence; it grows on demand up to `max_len`.
 
-    It can be extended, truncated to a prefix and copied, so that a prompt cache or several
-    conversations can reuse it.
+    `layers` names the layers that hold keys and values (every layer by default; a hybrid model's
+    recurrent layers hold none). It can be extended, truncated to a prefix and copied, so that a
+    prompt cache or several conversations can reuse it.
     """
 
-    def __init__(self, cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype,
+                 layers: Sequence[int] | None = None):
         self.cfg, self.max_len, self.device, self.dtype = cfg, max_len, device, dtype
+        self.layers = tuple(range(cfg.num_layers)) if layers is None else tuple(layers)
         self.length = 0
         self.capacity = 0
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        self.k: dict[int, torch.Tensor] = {}  # layer -> [G, capacity, Dh]
+        self.v: dict[int, torch.Tensor] = {}
 
     def reserve(self, n: int) -> None:
         """Room for n tokens in every layer (kept: the first `length`)."""
@@ -70,11 +76,11 @@ class KVCache:
             return
         cap = min(self.max_len, max(n, 2 * self.capacity, 256))
         shape = (self.cfg.num_kv_heads, cap, self.cfg.head_dim)
-        new_k = [torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(self.cfg.num_layers)]
-        new_v = [torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(self.cfg.num_layers)]
+        new_k = {i: torch.empty(shape, device=self.device, dtype=self.dtype) for i in self.layers}
+        new_v = {i: torch.empty(shape, device=self.device, dtype=self.dtype) for i in self.layers}
         for old, new in ((self.k, new_k), (self.v, new_v)):
-            for o, n_ in zip(old, new):
-                n_[:, : self.length].copy_(o[:, : self.length])
+            for i, o in old.items():
+                new[i][:, : self.length].copy_(o[:, : self.length])
         self.k, self.v, self.capacity = new_k, new_v, cap
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,22 +92,33 @@ class KVCache:
         self.v[layer][:, self.length:end].copy_(v)
         return self.k[layer][:, :end], self.v[layer][:, :end]
 
+    def begin(self, n: int) -> None:
+        """A forward of n tokens starts (a hook for state that is not truncatable)."""
+
     def advance(self, n: int) -> None:
         self.length += n
 
-    def truncate(self, n: int) -> None:
-        """Keep only the first n tokens."""
+    def truncate(self, n: int) -> int:
+        """Keep only the first n tokens; returns the length kept (here always min(length, n))."""
         self.length = min(self.length, n)
+        return self.length
+
+    def snapshot_bytes(self) -> int:
+        """Memory held by snapshots of recurrent state: none here (keys and values truncate)."""
+        return 0
 
     def copy(self) -> KVCache:
-        other = KVCache(self.cfg, self.max_len, self.device, self.dtype)
+        other = KVCache(self.cfg, self.max_len, self.device, self.dtype, self.layers)
+        self._copy_into(other)
+        return other
+
+    def _copy_into(self, other: KVCache) -> None:
         if self.length:
             other.reserve(self.length)
             for src, dst in ((self.k, other.k), (self.v, other.v)):
-                for s, d in zip(src, dst):
-                    d[:, : self.length].copy_(s[:, : self.length])
+                for i, s in src.items():
+                    dst[i][:, : self.length].copy_(s[:, : self.length])
         other.length = self.length
-        return other
 
 
 @dataclass(slots=True)

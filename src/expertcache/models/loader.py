@@ -8,6 +8,7 @@ weights that stay in the fast tier; `HFExperts` describes the experts as bytes f
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,9 @@ from ..tiers.layout import ExpertFormat
 from . import for_model_type
 from .arch import IGNORED_SUFFIXES, PACKED_LAYOUT, Architecture, ExpertLayout
 from .decoder import DenseWeights, LayerWeights
-from .layers import AttentionWeights, MLPWeights
+from .gated_attention import unit_offset
+from .layers import MLPWeights
+from .mixers import Reader
 
 
 def read_config(directory: str | Path) -> tuple[ModelConfig, type[Architecture], dict]:
@@ -116,7 +119,7 @@ class OpenedModel:
 
 
 def _detect_layout(ckpt: Checkpoint, cfg: ModelConfig, arch: type[Architecture]) -> ExpertLayout:
-    prefix = arch.tensor_names["layer"].format(i=cfg.moe_layers[0])
+    prefix = arch.names(cfg)["layer"].format(i=cfg.moe_layers[0])
     for layout in (*arch.expert_layouts, PACKED_LAYOUT):
         probe = layout.packed or layout.gate_up or layout.gate.format(e=0)
         if prefix + probe in ckpt:
@@ -130,9 +133,8 @@ def expected_shapes(cfg: ModelConfig, arch: type[Architecture], layout: ExpertLa
                     packed_dtype: torch.dtype | None = None) -> dict[str, tuple[int, ...]]:
     """Every tensor name the checkpoint must hold, with its shape (a packed layout's experts are
     [E, elements of `packed_dtype`])."""
-    N = arch.tensor_names
+    N = arch.names(cfg)
     D, V, E, I = cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.moe_intermediate_size
-    qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     out: dict[str, tuple[int, ...]] = {N["embed"]: (V, D), N["norm"]: (D,)}
     if not cfg.tie_word_embeddings:
         out[N["lm_head"]] = (V, D)
@@ -141,21 +143,11 @@ def expected_shapes(cfg: ModelConfig, arch: type[Architecture], layout: ExpertLa
         out.update({prefix + "gate_proj.weight": (width, D), prefix + "up_proj.weight": (width, D),
                     prefix + "down_proj.weight": (D, width)})
 
-    for i in range(cfg.num_layers):
+    for i, mixer in enumerate(arch.mixers(cfg)):
         p = N["layer"].format(i=i)
         out[p + N["input_norm"]] = (D,)
         out[p + N["post_norm"]] = (D,)
-        for n, shape in (("q", (qd, D)), ("k", (kd, D)), ("v", (kd, D)), ("o", (D, qd))):
-            out[p + N[n]] = shape
-        if cfg.qkv_bias:
-            for n, d in (("q", qd), ("k", kd), ("v", kd)):
-                out[p + N[n + "_bias"]] = (d,)
-        if cfg.o_bias:
-            out[p + N["o_bias"]] = (D,)
-        if cfg.qk_norm != "none":
-            head = cfg.qk_norm == "head"
-            out[p + N["q_norm"]] = (cfg.head_dim,) if head else (qd,)
-            out[p + N["k_norm"]] = (cfg.head_dim,) if head else (kd,)
+        out.update(mixer.shapes(p))
         if not cfg.sparse_layers[i]:
             mlp(p + N["mlp"], cfg.intermediate_size)
             continue
@@ -190,19 +182,26 @@ def open_model(path: str | Path) -> OpenedModel:
         if got != shape:
             raise ExpertCacheError(f"{ckpt.info(name).file}: tensor {name!r} has shape {list(got)}, "
                                    f"expected {list(shape)}")
+    skipped = 0
     for name in ckpt.tensors:
         if name in expected or name.endswith(IGNORED_SUFFIXES):
             continue
-        if name == arch.tensor_names["lm_head"] and cfg.tie_word_embeddings:
+        if name.startswith(arch.skipped_prefixes):
+            skipped += 1
+            continue
+        if name == arch.names(cfg)["lm_head"] and cfg.tie_word_embeddings:
             continue
         raise ExpertCacheError(f"{ckpt.info(name).file}: unexpected tensor {name!r} for {cfg.model_type}")
-    experts = HFExperts(ckpt, cfg, layout, arch.tensor_names["layer"])
+    if skipped:
+        print(f"expertcache: {path}: skipping {skipped} tensors this engine does not run "
+              f"({', '.join(p + '*' for p in arch.skipped_prefixes)})", file=sys.stderr)
+    experts = HFExperts(ckpt, cfg, layout, arch.names(cfg)["layer"])
     return OpenedModel(path, cfg, arch, ckpt, layout, experts)
 
 
 def load_dense(m: OpenedModel, device: torch.device, dtype: torch.dtype) -> DenseWeights:
     """Embedding, final norm, LM head and every layer's dense weights, in `dtype` on `device`."""
-    ckpt, cfg, N = m.ckpt, m.cfg, m.arch.tensor_names
+    ckpt, cfg, N = m.ckpt, m.cfg, m.arch.names(m.cfg)
 
     def read(name: str) -> torch.Tensor:
         return ckpt.read(name).to(device=device, dtype=dtype)
@@ -211,26 +210,20 @@ def load_dense(m: OpenedModel, device: torch.device, dtype: torch.dtype) -> Dens
         # Weights every step reads go to huge-page memory; fused ones are joined first.
         return host_copy(read(name))
 
-    def opt(name: str) -> torch.Tensor | None:
-        return get(name) if name in ckpt else None
+    def norm(name: str) -> torch.Tensor:
+        return unit_offset(read(name)) if m.arch.unit_offset_norms else get(name)
 
     def mlp(prefix: str) -> MLPWeights:
         gate_up = torch.cat([read(prefix + "gate_proj.weight"), read(prefix + "up_proj.weight")])
         return MLPWeights(host_copy(gate_up), get(prefix + "down_proj.weight"))
 
+    reader = Reader(read, host_copy, lambda name: name in ckpt)
     embed = get(N["embed"])
     lm_head = embed if cfg.tie_word_embeddings else get(N["lm_head"])
     layers = []
-    for i in range(cfg.num_layers):
+    for i, mixer in enumerate(m.arch.mixers(cfg)):
         p = N["layer"].format(i=i)
-        qkv_bias = [opt(p + N[f"{n}_bias"]) for n in "qkv"]
-        attn = AttentionWeights(
-            qkv=host_copy(torch.cat([read(p + N[n]) for n in "qkv"])),
-            o=get(p + N["o"]), qkv_bias=torch.cat(qkv_bias) if qkv_bias[0] is not None else None,
-            o_bias=opt(p + N["o_bias"]), q_norm=opt(p + N["q_norm"]), k_norm=opt(p + N["k_norm"]))
-        if cfg.qk_norm == "head":
-            attn.stack_head_norms(cfg.num_heads, cfg.num_kv_heads)
-        lw = LayerWeights(get(p + N["input_norm"]), get(p + N["post_norm"]), attn)
+        lw = LayerWeights(norm(p + N["input_norm"]), norm(p + N["post_norm"]), mixer.load(p, reader), mixer)
         if cfg.sparse_layers[i]:
             lw.router = get(p + m.layout.router)
             if cfg.shared_expert_intermediate_size:
@@ -239,4 +232,4 @@ def load_dense(m: OpenedModel, device: torch.device, dtype: torch.dtype) -> Dens
         else:
             lw.dense = mlp(p + N["mlp"])
         layers.append(lw)
-    return DenseWeights(embed, get(N["norm"]), lm_head, layers)
+    return DenseWeights(embed, norm(N["norm"]), lm_head, layers, m.arch.unit_offset_norms)

@@ -1,0 +1,121 @@
+"""One sequence's state in a hybrid model: keys and values of its attention layers, and the
+recurrent (DeltaNet) state of its linear-attention layers, with snapshots so that a prefix can be
+reused.
+
+Keys and values truncate to any prefix; a recurrent state does not (it folds every token into
+one matrix). So the state keeps snapshots of the recurrent layers, each a copy of every DeltaNet
+layer's state at one position, taken:
+
+- at the start and at the end of every forward of more than one token: the start is where the
+  previous request ended (or where a reused prefix resumed), the end is the end of a prompt or
+  of one of its micro-batches;
+- every `snapshot_every` tokens while decoding (a step that lands on a multiple of it).
+
+At most `max_snapshots` are kept; beyond that the one at the earliest position goes. Position 0
+needs none (a fresh state is zeros). `truncate(n)` restores the nearest snapshot at or before n
+and returns that position: the caller prefills the tokens after it again. Snapshots after the
+kept position describe another continuation and are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ExpertCacheError
+from .deltanet import DeltaNetState
+from .layers import KVCache
+
+# Every this many tokens of decoding a snapshot is taken: with the default micro-batch of 512 a
+# long prompt leaves one at each micro-batch end, and a long reply one every 512 tokens.
+SNAPSHOT_EVERY = 512
+# Snapshots kept per sequence; each is the size of every DeltaNet layer's state (Qwen3.6-35B-A3B:
+# 30 layers of 32 x 128 x 128 fp32 plus the conv window, about 63 MiB).
+MAX_SNAPSHOTS = 8
+
+
+@dataclass(slots=True)
+class Snapshot:
+    position: int
+    layers: dict[int, DeltaNetState]  # never written after it is taken: copies may share it
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.layers.values())
+
+
+class SequenceState(KVCache):
+    """`KVCache` for the attention layers plus a `DeltaNetState` per recurrent layer (`recurrent`,
+    created by the model's mixers), truncatable through snapshots (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype,
+                 attention_layers: Sequence[int], recurrent: dict[int, DeltaNetState],
+                 snapshot_every: int = SNAPSHOT_EVERY, max_snapshots: int = MAX_SNAPSHOTS):
+        super().__init__(cfg, max_len, device, dtype, attention_layers)
+        if snapshot_every < 1 or max_snapshots < 1:
+            raise ExpertCacheError(f"snapshot_every {snapshot_every} and max_snapshots {max_snapshots} "
+                                   "must be at least 1")
+        self.recurrent = recurrent
+        self.snapshot_every, self.max_snapshots = snapshot_every, max_snapshots
+        self.snapshots: list[Snapshot] = []  # by position, ascending
+
+    def _consistent(self) -> bool:
+        # A forward that failed half-way left some layers ahead of `length`.
+        return all(s.tokens == self.length for s in self.recurrent.values())
+
+    def begin(self, n: int) -> None:
+        if not self._consistent():
+            raise ExpertCacheError("the sequence state is incomplete after a failed forward; "
+                                   "truncate it before running more tokens")
+        if n > 1 and self.length:
+            self._take()
+
+    def advance(self, n: int) -> None:
+        super().advance(n)
+        if n > 1 or self.length % self.snapshot_every == 0:
+            self._take()
+
+    def _take(self) -> None:
+        if self.snapshots and self.snapshots[-1].position == self.length:
+            return
+        self.snapshots.append(Snapshot(self.length, {i: s.copy() for i, s in self.recurrent.items()}))
+        if len(self.snapshots) > self.max_snapshots:
+            del self.snapshots[0]
+
+    def truncate(self, n: int) -> int:
+        """Keep at most the first n tokens; returns how many were kept: n itself when nothing
+        needs cutting, else the position of the nearest snapshot at or before n (0 if none)."""
+        if n >= self.length and self._consistent():
+            return self.length
+        while self.snapshots and self.snapshots[-1].position > n:
+            self.snapshots.pop()
+        if self.snapshots:
+            snap = self.snapshots[-1]
+            for i, s in self.recurrent.items():
+                saved = snap.layers[i]
+                s.recurrent.copy_(saved.recurrent)
+                s.conv.copy_(saved.conv)
+                s.tokens = saved.tokens
+            self.length = snap.position
+        else:
+            for s in self.recurrent.values():
+                s.recurrent.zero_()
+                s.conv.zero_()
+                s.tokens = 0
+            self.length = 0
+        return self.length
+
+    def snapshot_bytes(self) -> int:
+        """Memory held by the snapshots kept now, in bytes."""
+        return sum(s.nbytes for s in self.snapshots)
+
+    def copy(self) -> SequenceState:
+        other = SequenceState(self.cfg, self.max_len, self.device, self.dtype, self.layers,
+                              {i: s.copy() for i, s in self.recurrent.items()},
+                              self.snapshot_every, self.max_snapshots)
+        self._copy_into(other)
+        other.snapshots = list(self.snapshots)
+        return other
