@@ -3,8 +3,10 @@ gguf-py's own GGUFReader (offsets, shapes, types), plus every error at the bound
 
 from __future__ import annotations
 
+import json
 import random
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -371,3 +373,27 @@ def test_corrupt_headers_raise_only_expertcache_errors(model):
         except ExpertCacheError as e:
             msg = str(e)
             assert "\n" not in msg and (str(path) in msg or "twice" in msg), msg
+
+
+# Models converted and quantized by llama.cpp's own tools (tools/make_gguf_fixtures.py).
+CONVERTED = sorted((Path(__file__).resolve().parent / "fixtures" / "gguf").glob("*.gguf"))
+
+
+@pytest.mark.parametrize("path", CONVERTED, ids=lambda p: p.stem)
+def test_llama_cpp_files_read_like_gguf_py(path):
+    want_types = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))["tensor_types"]
+    ref = GGUFReader(path)
+    with GGUFCheckpoint(path) as ck:
+        assert {n: i.qtype.name for n, i in ck.tensors.items()} == want_types
+        for r in ref.tensors:
+            info = ck.info(r.name)
+            assert info.shape == tuple(reversed(r.shape.tolist()))
+            assert (info.offset, info.nbytes) == (r.data_offset, r.n_bytes)
+            got = ck.read(r.name).numpy()
+            assert got.tobytes() == r.data.tobytes()
+            if len(info.shape) == 3:
+                for e in range(info.shape[0]):
+                    assert np.array_equal(ck.read_rows(r.name, e).numpy(), got[e])
+        for key, field in ref.fields.items():
+            if not key.startswith("GGUF."):
+                assert ck.metadata[key] == field.contents(), key

@@ -215,3 +215,19 @@ def test_every_supported_pre_tokenizer_matches_llama_cpp(pre, bpe_recording):
     tok = ECTokenizer.from_parts(*tokenizer_parts_from_gguf({**metadata, "tokenizer.ggml.pre": pre}, "bpe-tiny.gguf"))
     for text, want in zip(rec["texts"], want_all, strict=True):
         assert llama_cpp_ids(tok, text) == want, text[:60]
+
+
+# Models converted and quantized by llama.cpp (tools/make_gguf_fixtures.py), with the ids its
+# llama-perplexity tokenization gave: special tokens added, special text not parsed.
+CONVERTED = sorted((Path(__file__).resolve().parent / "fixtures" / "gguf").glob("*.json"))
+
+
+@pytest.mark.parametrize("fixture", CONVERTED, ids=lambda p: p.stem)
+def test_converted_models_tokenize_like_llama_cpp(fixture):
+    rec = json.loads(fixture.read_text(encoding="utf-8"))
+    with GGUFCheckpoint(fixture.with_name(rec["gguf"])) as ck:
+        tok = ECTokenizer.from_parts(*tokenizer_parts_from_gguf(ck.metadata, str(ck.files[0])))
+    tok.tok.encode_special_tokens = True  # llama.cpp's parse_special=False: control text is text
+    start, stop = rec["heldout"]["chars"]
+    assert llama_cpp_ids(tok, HELDOUT[start:stop]) == rec["heldout"]["tokens"]
+    assert llama_cpp_ids(tok, rec["prompt"]["text"]) == rec["prompt"]["tokens"]
