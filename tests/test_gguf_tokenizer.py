@@ -147,6 +147,11 @@ def test_errors_name_the_file_and_the_way_out():
         tokenizer_parts_from_gguf({}, "m.gguf")
     one_line(e, "m.gguf", "tokenizer.ggml.model", "--tokenizer DIR")
     meta = converter_metadata(BUNDLED / "tokenizer.json", "qwen2")
+    del meta["tokenizer.ggml.merges"]
+    with pytest.raises(ExpertCacheError) as e:
+        tokenizer_parts_from_gguf(meta, "m.gguf")
+    one_line(e, "m.gguf", "'tokenizer.ggml.merges' is missing", "--tokenizer DIR")
+    meta = converter_metadata(BUNDLED / "tokenizer.json", "qwen2")
     again = meta["tokenizer.ggml.tokens"][100]
     meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], again]
     meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], NORMAL]
@@ -198,6 +203,18 @@ def test_sentencepiece_and_gemma4_kinds_match_llama_cpp(name):
     assert tok.add_bos
     for text, want in zip(rec["texts"], rec["ids"], strict=True):
         assert llama_cpp_ids(tok, text) == want, text[:60]
+
+
+@pytest.mark.parametrize("name", ["spm-tiny", "gemma4-tiny", "bpe-tiny"])
+def test_decoding_gives_back_the_text(name):
+    rec = json.loads((RECORDED / f"{name}.ids.json").read_text(encoding="utf-8"))
+    with GGUFCheckpoint(RECORDED / f"{name}.gguf") as ck:
+        tok = ECTokenizer.from_parts(*tokenizer_parts_from_gguf(ck.metadata, str(ck.files[0])))
+    added = [t.content for t in tok.tok.get_added_tokens_decoder().values()]
+    plain = [t for t in rec["texts"] if not any(a in t for a in added)]  # added tokens decode apart
+    assert len(plain) >= 6
+    for text in plain:
+        assert tok.decode(tok.encode(text)) == text
 
 
 @pytest.fixture(scope="module")

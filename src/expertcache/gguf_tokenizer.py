@@ -150,7 +150,8 @@ def tokenizer_parts_from_gguf(metadata: dict, where: str) -> tuple[Tokenizer, di
 def _list(metadata: dict, key: str, where: str) -> list:
     value = metadata.get(key)
     if not isinstance(value, list) or not value:
-        raise ExpertCacheError(f"{where}: metadata key {key!r} is missing or empty, expected the token list")
+        raise ExpertCacheError(f"{where}: metadata key {key!r} is missing or empty, expected an array of strings; "
+                               f"{_WAY_OUT}")
     return value
 
 
