@@ -62,6 +62,21 @@ def test_dequantize_is_bit_identical_to_gguf(native, name):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "IQ4_XS", "F16", "BF16"])
+def test_dequantize_into_writes_float32_or_rounds_to_bf16_once(native, name):
+    qtype = Q[name]
+    cols = cols_for(qtype, 3)
+    raw, want = weights(qtype, 20, cols, seed=3)
+    out = torch.full((20, cols), float("nan"))
+    native.dequantize_into(raw, qtype, out)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    outb = torch.full((20, cols), float("nan"), dtype=torch.bfloat16)
+    native.dequantize_into(raw, qtype, outb)
+    assert torch.equal(outb.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
+    with pytest.raises(RuntimeError, match="w: expected 19 rows, as out has, got 20"):
+        native.dequantize_into(raw, qtype, torch.empty(19, cols))
+
+
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("rows,blocks", [(1, 1), (37, 2), (130, 8)])
 def test_gemv_matches_float64_products_of_the_decoded_weights(native, name, rows, blocks):

@@ -9,7 +9,9 @@
   SwiGLU experts on one token, y[e] = down[e] (silu(gate[e] x) * (up[e] x)), with gate[e] and
   up[e] raw rows [I, row_bytes(type, D)] and down[e] raw rows [D, row_bytes(type, I)], each matrix
   kind of one type for the whole wave, the intermediate in float32;
-- `dequantize(w, qtype, K) -> float32 [N, K]`: the weights as the products see them;
+- `dequantize(w, qtype, K) -> float32 [N, K]`: the weights as the products see them, and
+  `dequantize_into(w, qtype, out)` into out [N, K] float32 or bfloat16 (rounded once), rows split
+  across threads: the CPU path for prefill (decode a wave into one reused buffer, then a GEMM);
 - `isa`: "avx2" or "portable".
 
 Weights are decoded exactly as gguf-py decodes them (`dequantize` is bit-identical to

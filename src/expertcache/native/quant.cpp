@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -509,27 +510,41 @@ torch::Tensor gemv_decoded(const torch::Tensor& w, int64_t type, const torch::Te
   return product(w, type, x, false);
 }
 
-// W [N, K] decoded to fp32 with the same decoders the products use (bit-identical to gguf-py).
-torch::Tensor dequantize(const torch::Tensor& w, int64_t type, int64_t K) {
+// W [N, K] decoded with the same decoders the products use (bit-identical to gguf-py) into out
+// [N, K], float32 or bfloat16 (rounded once, to nearest even, as torch rounds). Rows are split
+// across threads; prefill can decode a wave of experts into one reused buffer this way.
+void dequantize_into(const torch::Tensor& w, int64_t type, const torch::Tensor& out) {
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.is_contiguous() &&
+                  (out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16),
+              "out: expected a contiguous 2-D float32 or bfloat16 CPU tensor");
   const Format fmt = format_of(type);
+  const int64_t N = out.size(0), K = out.size(1);
   check_raw(w, fmt, K, "w");
-  const int64_t N = w.size(0), stride = w.size(1);
-  auto y = torch::empty({N, K}, torch::kFloat32);
+  TORCH_CHECK(w.size(0) == N, "w: expected ", N, " rows, as out has, got ", w.size(0));
+  const int64_t stride = w.size(1);
   const uint8_t* W = w.data_ptr<uint8_t>();
-  float* Y = y.data_ptr<float>();
+  const bool f32 = out.scalar_type() == torch::kFloat32;
+  float* Yf = f32 ? out.data_ptr<float>() : nullptr;
+  at::BFloat16* Yb = f32 ? nullptr : out.data_ptr<at::BFloat16>();
+  const int width = fmt.bytes / fmt.block;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     alignas(32) float buf[256];
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* row = W + r * stride;
-      const int64_t full = K / fmt.block;
-      for (int64_t i = 0; i < full; ++i) {
-        fmt.decode(row + i * fmt.bytes, buf);
-        std::memcpy(Y + r * K + i * fmt.block, buf, fmt.block * 4);
+      for (int64_t k0 = 0; k0 < K; k0 += fmt.block) {
+        const int64_t n = std::min<int64_t>(fmt.block, K - k0);  // short only for float types
+        if (n == fmt.block) fmt.decode(row + k0 / fmt.block * fmt.bytes, buf);
+        else for (int64_t k = 0; k < n; ++k) buf[k] = fmt.one(row + (k0 + k) * width);
+        if (f32) std::memcpy(Yf + r * K + k0, buf, n * 4);
+        else for (int64_t k = 0; k < n; ++k) Yb[r * K + k0 + k] = at::BFloat16(buf[k]);
       }
-      const int width = fmt.bytes / fmt.block;
-      for (int64_t k = full * fmt.block; k < K; ++k) Y[r * K + k] = fmt.one(row + k * width);
     }
   });
+}
+
+torch::Tensor dequantize(const torch::Tensor& w, int64_t type, int64_t K) {
+  auto y = torch::empty({w.size(0), K}, torch::kFloat32);
+  dequantize_into(w, type, y);
   return y;
 }
 
@@ -599,6 +614,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("gemv", &gemv, "y [N] = W x, W raw ggml rows [N, row bytes] of a type, x [K] fp32/bf16; fp32");
   m.def("gemv_decoded", &gemv_decoded, "gemv through the plain block decoders: equal to gemv bit for bit");
+  m.def("dequantize_into", &dequantize_into, "raw ggml rows [N, row bytes] of a type -> out [N, K], fp32 or bf16");
   m.def("dequantize", &dequantize, "raw ggml rows [N, row bytes] of a type -> fp32 [N, K]");
   m.def("experts", &experts, "a wave of SwiGLU experts on one token from raw ggml rows: fp32 [n, D]");
 }
