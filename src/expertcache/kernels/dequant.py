@@ -9,6 +9,11 @@ order: fp16 scales widened to float32, the super-block scale times the sub-block
 float32 first, then times the quant, then the minimum subtracted (two roundings, never a fused
 multiply-add). Integer quants are small enough to be exact in float32 however they are formed.
 
+On the CPU it works in chunks of CPU_CHUNK weights, so that the float32 intermediates stay in
+the core's cache; it is a few dozen small torch ops per chunk, which makes it the portable path
+(CUDA, or a CPU without the native module) more than the fast one: on the CPU the native
+module's `dequantize_into` (kernels/quant_native.py) decodes the same bits several times faster.
+
 Shapes are torch's: the last dimension is a row, ggml's ne[0], and must be a whole number of
 blocks. B = blocks, S = weights per block, Z = bytes per block.
 """
@@ -27,22 +32,28 @@ QK_K = 256
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 # Weights per chunk on the CPU: a chunk's float32 intermediates stay in the core's cache.
-CPU_CHUNK = 1 << 16
+CPU_CHUNK = 1 << 17
+
+
+def _view(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., n] bytes as [..., n / size] `dtype` elements holding the same bytes (a view when the
+    bytes are aligned for it, else a copy)."""
+    try:
+        return b.view(dtype)
+    except RuntimeError:  # a slice at an offset that is not a multiple of the element size
+        return torch.empty(b.shape, dtype=torch.uint8, device=b.device).copy_(b).view(dtype)
 
 
 def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
     """The fp16 field at byte `at` of each block, widened: [B, 1] float32."""
-    return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
+    return _view(blocks[:, at:at + 2], torch.float16).float()
 
 
 def _words(b: torch.Tensor) -> torch.Tensor:
     """[..., n] bytes (n a multiple of 4) as [..., n / 4] int32 words holding the same bytes.
 
     Bit fields are cut out of words, four bytes per op: torch's byte-wise shifts are slow."""
-    try:
-        return b.view(torch.int32)
-    except RuntimeError:  # a slice at an offset that is not a multiple of 4
-        return torch.empty(b.shape, dtype=torch.uint8, device=b.device).copy_(b).view(torch.int32)
+    return _view(b, torch.int32)
 
 
 def _nibbles(b: torch.Tensor) -> torch.Tensor:
@@ -118,24 +129,23 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(n, QK_K)
 
 
-def _k_scales(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K's twelve bytes -> eight 6-bit scales and eight 6-bit minimums: [B, 8] each.
+def _k_scales(sc: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K's twelve bytes -> eight 6-bit scales, then eight 6-bit minimums: [B, 2, 8].
 
     Worked on as three little-endian 32-bit words, four 6-bit fields at a time: a handful of
     ops per block instead of a dozen on byte slices."""
-    w = sc.contiguous().view(torch.int32)                                    # [B, 3]
+    w = _words(sc)                                                           # [B, 3]
     d, m, md = w[:, 0], w[:, 1], w[:, 2]
     fields = torch.stack((d & 0x3F3F3F3F, (md & 0x0F0F0F0F) | ((d >> 2) & 0x30303030),
                           m & 0x3F3F3F3F, ((md >> 4) & 0x0F0F0F0F) | ((m >> 2) & 0x30303030)), dim=1)
-    fields = fields.view(torch.uint8)                                        # [B, 16]
-    return fields[:, :8], fields[:, 8:]
+    return fields.view(torch.uint8).view(-1, 2, 8)
 
 
 def _k_rows(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K/Q5_K's per-sub-block scale and minimum, each rounded to float32: [B, 8, 1] each."""
-    dm = b[:, :4].contiguous().view(torch.float16).float()                   # [B, 2]: d, dmin
-    sc, mn = _k_scales(b[:, 4:16])
-    return (dm[:, :1] * sc.float())[..., None], (dm[:, 1:] * mn.float())[..., None]
+    dm = _view(b[:, :4], torch.float16).float()                              # [B, 2]: d, dmin
+    both = dm[:, :, None] * _k_scales(b[:, 4:16]).float()                    # [B, 2, 8]
+    return both[:, 0, :, None], both[:, 1, :, None]
 
 
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
