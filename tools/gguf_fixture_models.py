@@ -1,0 +1,113 @@
+"""Tiny random Hugging Face MoE checkpoints for the GGUF test fixtures, built with transformers.
+
+`build_checkpoint(spec, tokenizer_dir, out_dir)` writes a real checkpoint (config.json,
+model.safetensors in bf16, tokenizer.json, tokenizer_config.json) that llama.cpp's
+convert_hf_to_gguf.py accepts. Every weight is a bf16 value held in fp32 before saving, so the
+bf16 checkpoint, its F32 GGUF and the fp32 model built here are the same numbers.
+
+Weights start from transformers' own initialisation (normal, std `init_std`); then norm weights
+become 1 + 0.2 N(0, 1) and biases 0.02 N(0, 1) so that a loader which drops either changes the
+output, and lm_head is scaled so that the logits of a fixed text have a standard deviation of
+`logit_std`: the next-token distributions are far from uniform and a small error shows.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# The text whose logits set lm_head's scale (any fixed text does).
+SCALE_TEXT = "def __repr__(self):\n        return 'Use %s() or %s to exit' % (self.name, self.eof)"
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One tiny checkpoint: a transformers model_type and the config values that differ from its
+    defaults. `vocab_size` is filled from the tokenizer."""
+
+    name: str
+    model_type: str
+    config: dict = field(default_factory=dict)
+    seed: int = 0
+    init_std: float = 0.05
+    logit_std: float = 3.0
+
+
+# Row lengths (hidden, moe_intermediate_size, heads x head_dim) of qwen3_moe are multiples of 256
+# so that K-quants are used as such; the other families are smaller (rows of 64 or 128) to keep the
+# files small, so llama.cpp falls back from K-quants to 32-element blocks there. OLMoE has as many
+# KV heads as heads: llama.cpp's olmoe wants its k-norm over n_embd values, so it refuses GQA.
+FAMILIES = {
+    "qwen3_moe": FamilySpec("qwen3_moe", "qwen3_moe", dict(
+        hidden_size=256, intermediate_size=768, moe_intermediate_size=256, num_experts=8,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, norm_topk_prob=True, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        seed=1),
+    "qwen2_moe": FamilySpec("qwen2_moe", "qwen2_moe", dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=128,
+        num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, norm_topk_prob=False, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        max_position_embeddings=4096, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), seed=2),
+    "olmoe": FamilySpec("olmoe", "olmoe", dict(
+        hidden_size=64, intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, norm_topk_prob=False, tie_word_embeddings=False,
+        rms_norm_eps=1e-5, max_position_embeddings=4096, clip_qkv=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), seed=3),
+    "mixtral": FamilySpec("mixtral", "mixtral", dict(
+        hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        rms_norm_eps=1e-5, max_position_embeddings=4096, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), seed=4),
+}
+
+
+def _config(spec: FamilySpec, vocab_size: int, eos_id: int):
+    import transformers as tf
+
+    return tf.AutoConfig.for_model(spec.model_type, vocab_size=vocab_size, initializer_range=spec.init_std,
+                                   bos_token_id=None, eos_token_id=eos_id, pad_token_id=eos_id,
+                                   **spec.config)
+
+
+@torch.no_grad()
+def build_model(spec: FamilySpec, tokenizer_dir: Path):
+    """The fp32 transformers model of `spec`, every weight a bf16 value (see the module doc)."""
+    import transformers as tf
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    eos_id = tok.token_to_id("<|endoftext|>")
+    cfg = _config(spec, tok.get_vocab_size(), eos_id)
+    torch.manual_seed(spec.seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(spec.seed + 1000)
+    for name, p in model.named_parameters():
+        if p.ndim == 1 and "norm" in name:
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+        elif p.ndim == 1:
+            p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    ids = torch.tensor([tok.encode(SCALE_TEXT).ids])  # [1, T]
+    std = model(ids).logits.float().std().item()
+    model.get_output_embeddings().weight.mul_(spec.logit_std / std)
+    for p in model.parameters():
+        p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+def build_checkpoint(spec: FamilySpec, tokenizer_dir: Path, out_dir: Path) -> Path:
+    """Write the checkpoint of `spec` to `out_dir` (bf16 safetensors + the tokenizer files)."""
+    model = build_model(spec, tokenizer_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tokenizer_dir / name, out_dir / name)
+    (out_dir / "generation_config.json").unlink(missing_ok=True)
+    cfg = json.loads((out_dir / "config.json").read_text())
+    assert cfg["model_type"] == spec.model_type, cfg["model_type"]
+    return out_dir
