@@ -109,6 +109,16 @@ class Architecture:
         attention = Attention(cfg, cls.names(cfg))
         return (attention,) * cfg.num_layers
 
+    # Whether a GGUF without `expert_weights_norm` renormalises the top-k weights (llama.cpp's
+    # default for the architecture).
+    gguf_norm_topk_prob: ClassVar[bool] = False
+
+    @classmethod
+    def from_gguf(cls, hf_name: str, t, cfg: ModelConfig):
+        """A dense tensor read from a GGUF file (fp32, Hugging Face shape), with what llama.cpp's
+        converter changed undone; most families store them as they are."""
+        return t
+
     @classmethod
     def matches_gguf(cls, metadata: dict) -> bool:
         """Whether a GGUF whose `general.architecture` is one of ours is this family (a name

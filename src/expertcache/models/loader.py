@@ -169,8 +169,12 @@ def expected_shapes(cfg: ModelConfig, arch: type[Architecture], layout: ExpertLa
 
 
 def open_model(path: str | Path) -> OpenedModel:
-    """Read and validate a checkpoint directory; nothing is loaded into memory yet."""
+    """Read and validate a checkpoint directory or a GGUF file; nothing is loaded into memory yet."""
     path = Path(path)
+    from .gguf_loader import is_gguf, open_gguf  # it builds on this module
+
+    if is_gguf(path):
+        return open_gguf(path)
     cfg, arch, _ = read_config(path)
     ckpt = Checkpoint(path)
     layout = _detect_layout(ckpt, cfg, arch)

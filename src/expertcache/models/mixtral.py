@@ -20,6 +20,18 @@ class Mixtral(Architecture):
     sliding_window_switch = None
     router_weights_fp32 = True
 
+    gguf_norm_topk_prob = True
+
+    @classmethod
+    def from_gguf(cls, hf_name: str, t, cfg):
+        # llama.cpp's converter interleaves the two rotary halves of each q/k head (`permute`);
+        # put each head's rows back in rotate-half order.
+        heads = cfg.num_heads if hf_name.endswith("q_proj.weight") else \
+            cfg.num_kv_heads if hf_name.endswith("k_proj.weight") else None
+        if heads is None:
+            return t
+        return t.reshape(heads, t.shape[0] // heads // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
     @classmethod
     def matches_gguf(cls, metadata: dict) -> bool:
         return (metadata.get("llama.expert_count") or 0) > 0

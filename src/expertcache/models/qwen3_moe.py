@@ -18,3 +18,4 @@ class Qwen3Moe(Architecture):
     dense_layers = True
     o_bias = Key("attention_bias", False)
     qk_norm = "head"
+    gguf_norm_topk_prob = True

@@ -1,0 +1,213 @@
+"""Opening a GGUF file (llama.cpp's format) as a model: the hyperparameters from its metadata,
+the dense weights under the Hugging Face names the architecture's tables use (gguf-py's own
+name map translates them), and the experts as the file's quantized bytes.
+
+llama.cpp's converter stores each MoE layer's experts as three tensors [E, rows, cols]
+(`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`), or a fused `ffn_gate_up_exps`; one expert is a
+slice of each, so it spans two or three ranges of the file, each in its own storage type. Dense
+weights are dequantized at load (exactly, to fp32, then the compute dtype); experts stay as the
+file's blocks in both tiers and are dequantized only by the compute path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import torch
+
+from ..checkpoint.gguf_io import GGUFCheckpoint
+from ..checkpoint.safetensors_io import Segment
+from ..checkpoint.storage import is_quantized
+from ..config import ModelConfig, RopeConfig
+from ..errors import ExpertCacheError
+from ..kernels.dequant import dequantize
+from ..tiers.layout import ExpertFormat
+from . import for_gguf
+from .arch import Architecture, ExpertLayout
+
+# The expert tensors of every llama.cpp MoE architecture, relative to `blk.{i}.`.
+GGUF_EXPERT_NAMES = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight",
+                     "down": "ffn_down_exps.weight", "gate_up": "ffn_gate_up_exps.weight"}
+_ARCH_IDS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+
+
+def is_gguf(path: Path) -> bool:
+    """A .gguf file, or a directory that holds GGUF files and no config.json."""
+    if path.is_file():
+        return path.suffix == ".gguf"
+    return path.is_dir() and not (path / "config.json").exists() and any(path.glob("*.gguf"))
+
+
+def config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConfig:
+    """The model's config from GGUF metadata; a missing key is an error naming it."""
+    md = gg.metadata
+    a = md.get("general.architecture")
+
+    def get(key: str, default=None):
+        return md.get(f"{a}.{key}", default)
+
+    def need(key: str):
+        return gg.require(f"{a}.{key}")
+
+    where = str(gg.files[0])
+    if "token_embd.weight" not in gg:
+        raise ExpertCacheError(f"{where}: missing tensor 'token_embd.weight'")
+    vocab, hidden = gg.info("token_embd.weight").shape
+    heads = need("attention.head_count")
+    layers = need("block_count")
+    kv = get("attention.head_count_kv", heads)
+    if isinstance(kv, list):
+        raise ExpertCacheError(f"{where}: per-layer {a}.attention.head_count_kv is not supported for {a}")
+    head_dim = get("attention.key_length") or hidden // heads
+    sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in gg for i in range(layers))
+    theta = get("rope.freq_base", 10000.0)
+    scaling = get("rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ExpertCacheError(f"{where}: {a}.rope.scaling.type {scaling!r} is not supported: expected none")
+    eos = md.get("tokenizer.ggml.eos_token_id")
+    bos = md.get("tokenizer.ggml.bos_token_id")
+    experts = need("expert_count")
+    first = next((i for i, s in enumerate(sparse) if s), 0)
+    width = get("expert_feed_forward_length")
+    if width is None:  # llama.cpp writes Mixtral's expert width as the feed-forward length
+        width = gg.info(f"blk.{first}.ffn_down_exps.weight").shape[-1] \
+            if f"blk.{first}.ffn_down_exps.weight" in gg else need("feed_forward_length")
+    dense = get("feed_forward_length", 0) if not all(sparse) else 0
+    all_f32 = all(i.storage == torch.float32 for i in gg.tensors.values())
+    try:
+        return ModelConfig(
+            model_type=arch.model_types[0], vocab_size=vocab, hidden_size=hidden, num_layers=layers,
+            num_heads=heads, num_kv_heads=kv, head_dim=head_dim, num_experts=experts,
+            top_k=need("expert_used_count"), moe_intermediate_size=width, intermediate_size=dense,
+            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            max_position=get("context_length", 4096), rope=RopeConfig(theta=float(theta)),
+            norm_topk_prob=bool(get("expert_weights_norm", arch.gguf_norm_topk_prob)),
+            tie_word_embeddings="output.weight" not in gg,
+            qkv_bias=f"blk.0.attn_q.bias" in gg, o_bias="blk.0.attn_output.bias" in gg,
+            qk_norm=arch.qk_norm, clip_qkv=get("attention.clamp_kqv"),
+            sparse_layers=sparse,
+            shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0) or 0,
+            sliding_window=get("attention.sliding_window") or None,
+            # Quantized weights compute in bf16 by default (--dtype float32 is the exact reference).
+            dtype=torch.float32 if all_f32 else torch.bfloat16,
+            bos_token_id=bos, eos_token_id=(eos,) if eos is not None else (),
+            router_weights_fp32=arch.router_weights_fp32,
+        )
+    except ExpertCacheError as e:
+        raise ExpertCacheError(f"{where}: {e}") from None
+
+
+class GGUFDense:
+    """The dense tensors of a GGUF file under Hugging Face names, dequantized when read: what the
+    loader reads a safetensors checkpoint through (`read`, `in`)."""
+
+    def __init__(self, gg: GGUFCheckpoint, names: dict[str, str], shapes: dict[str, tuple[int, ...]],
+                 arch: type[Architecture], cfg: ModelConfig):
+        self.gg, self.names, self.shapes, self.arch, self.cfg = gg, names, shapes, arch, cfg
+        self.files = gg.files
+
+    def __contains__(self, hf_name: str) -> bool:
+        return hf_name in self.names
+
+    def read(self, hf_name: str) -> torch.Tensor:
+        name = self.names[hf_name]
+        info = self.gg.info(name)
+        raw = self.gg.read(name)
+        t = dequantize(raw, info.storage, info.shape) if is_quantized(info.storage) else raw.view(info.storage) \
+            .view(info.shape)
+        return self.arch.from_gguf(hf_name, t.float().reshape(self.shapes[hf_name]), self.cfg)
+
+
+class GGUFExperts:
+    """A GGUF file's experts as bytes (`tiers.store.ExpertSource`): expert e of layer i is slice e
+    of each expert tensor of block i, in the file's storage types."""
+
+    def __init__(self, gg: GGUFCheckpoint, cfg: ModelConfig):
+        self.gg, self.cfg = gg, cfg
+        self.files = gg.files
+        self.layers = cfg.moe_layers
+        self.num_experts = cfg.num_experts
+        self._names: dict[int, list[tuple[str, str]]] = {}
+        self._formats: dict[int, ExpertFormat] = {}
+        D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        for i in self.layers:
+            fused = f"blk.{i}.{GGUF_EXPERT_NAMES['gate_up']}" in gg
+            parts = [("gate_up", (2 * I, D)), ("down", (D, I))] if fused else \
+                [("gate", (I, D)), ("up", (I, D)), ("down", (D, I))]
+            names, fmt = [], []
+            for part, shape in parts:
+                name = f"blk.{i}.{GGUF_EXPERT_NAMES[part]}"
+                if name not in gg:
+                    raise ExpertCacheError(f"{gg.files[0]}: missing tensor {name!r} "
+                                           f"(expected shape {[E, *shape]})")
+                info = gg.info(name)
+                if tuple(info.shape) != (E, *shape):
+                    raise ExpertCacheError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, "
+                                           f"expected {[E, *shape]}")
+                names.append((part, name))
+                fmt.append((part, info.storage, shape))
+            self._names[i] = names
+            self._formats[i] = ExpertFormat.of(fmt)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The float dtype of the experts, when they are not quantized."""
+        m = self._formats[self.layers[0]].matrices[0]
+        return None if is_quantized(m.storage) else m.storage
+
+    @property
+    def ranges_per_run(self) -> int:
+        return max(len(n) for n in self._names.values())
+
+    def format(self, layer: int) -> ExpertFormat:
+        return self._formats[layer]
+
+    def segments(self, layer: int, e: int) -> list[Segment]:
+        return [self.gg.segment(name, e) for _, name in self._names[layer]]
+
+    def run_segment(self, layer: int, first: int, n: int) -> Segment | None:
+        return None  # an expert is two or three ranges: a run is one read per tensor
+
+    def read(self, layer: int, e: int) -> torch.Tensor:
+        return torch.cat([self.gg.read_rows(name, e).reshape(-1) for _, name in self._names[layer]])
+
+
+def hf_names(cfg: ModelConfig, arch: type[Architecture], expected: dict[str, tuple[int, ...]],
+             gg: GGUFCheckpoint) -> dict[str, str]:
+    """The GGUF name of every dense Hugging Face tensor the architecture expects, checked."""
+    name = gg.metadata.get("general.architecture")
+    tmap = gguf.get_tensor_name_map(_ARCH_IDS[name], cfg.num_layers)
+    out = {}
+    for hf, shape in expected.items():
+        g = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if g is None or g not in gg:
+            raise ExpertCacheError(f"{gg.files[0]}: missing tensor {g or hf!r} (expected shape {list(shape)})")
+        got = tuple(gg.info(g).shape)
+        # llama.cpp stores a [1, D] gate as a vector [D].
+        if got != shape and not (len(got) == 1 and shape == (1, got[0])):
+            raise ExpertCacheError(f"{gg.info(g).file}: tensor {g!r} has shape {list(got)}, expected {list(shape)}")
+        out[hf] = g
+    return out
+
+
+def dense_expected(cfg: ModelConfig, arch: type[Architecture], expected: dict[str, tuple[int, ...]],
+                   layout: ExpertLayout) -> dict[str, tuple[int, ...]]:
+    """The expected tensors less the experts (which are read as the file's blocks)."""
+    marks = [getattr(layout, p) for p in ("gate", "up", "down", "gate_up") if getattr(layout, p)]
+    heads = [m.split("{e}")[0] if "{e}" in m else m for m in marks]
+    return {n: s for n, s in expected.items() if not any(h in n for h in heads)}
+
+
+def open_gguf(path: Path):
+    """Read and validate a GGUF model; nothing but the metadata and tensor table is read yet."""
+    from .loader import OpenedModel, expected_shapes
+
+    gg = GGUFCheckpoint(path)
+    arch = for_gguf(gg.metadata, str(gg.files[0]))
+    cfg = config_from_gguf(arch, gg)
+    layout = arch.expert_layouts[0]
+    dense = dense_expected(cfg, arch, expected_shapes(cfg, arch, layout), layout)
+    names = hf_names(cfg, arch, dense, gg)
+    experts = GGUFExperts(gg, cfg)
+    return OpenedModel(Path(path), cfg, arch, GGUFDense(gg, names, dense, arch, cfg), layout, experts)
