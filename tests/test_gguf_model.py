@@ -143,3 +143,23 @@ def test_expert_slots_hold_the_files_bytes():
     for m in fmt.matrices:
         want = np.asarray(tensors[f"blk.0.ffn_{m.name}_exps.weight"].data[5]).reshape(-1).view(np.uint8)
         assert bytes(row[m.offset: m.offset + m.nbytes].numpy()) == want.tobytes()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_tokenizer_comes_from_the_file_and_equals_llama_cpps(name):
+    rec = _record(name)
+    model = expertcache.load(FIXTURES / f"{name}.gguf")
+    assert model.tokenizer.encode(rec["prompt"]["text"]) == rec["prompt"]["tokens"]
+    text = (Path(__file__).parents[1] / rec["heldout"]["file"]).read_text()[slice(*rec["heldout"]["chars"])]
+    assert model.tokenizer.encode(text) == rec["heldout"]["tokens"]
+
+
+def test_a_tokenizer_directory_replaces_the_files(tmp_path, capsys):
+    from conftest import run_cli, write_tokenizer
+
+    write_tokenizer(tmp_path)
+    model = expertcache.load(FIXTURES / "olmoe-Q8_0.gguf", tokenizer=tmp_path)
+    assert model.tokenizer.encode("w5 w6") != expertcache.load(FIXTURES / "olmoe-Q8_0.gguf").tokenizer.encode("w5 w6")
+    code, err = run_cli(capsys, "run", "-m", str(FIXTURES / "olmoe-Q8_0.gguf"), "--tokenizer", str(tmp_path),
+                        "-p", "w5 w6", "-n", "2")
+    assert code == 0, err

@@ -92,8 +92,8 @@ class Model:
         # Bumped at each reload: everything computed from the weights records it (sessions).
         self.version = 0
         self.eos_ids = set(cfg.eos_token_id)
-        if tokenizer is not None and tokenizer.eos_id is not None:
-            self.eos_ids.add(tokenizer.eos_id)
+        if tokenizer is not None:
+            self.eos_ids |= tokenizer.end_ids
 
     @property
     def kernels(self) -> Kernels:
@@ -269,8 +269,10 @@ def default_model_path() -> Path:
 
 def load(path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
          dtype: str | torch.dtype | None = None, cache: CacheConfig | None = None,
-         ctx_size: int | None = None, threads: int | None = None, kernels: str = "torch") -> Model:
-    """Load a Hugging Face MoE checkpoint directory (the bundled model when `path` is None).
+         ctx_size: int | None = None, threads: int | None = None, kernels: str = "torch",
+         tokenizer: str | os.PathLike | None = None) -> Model:
+    """Load a Hugging Face MoE checkpoint directory or a GGUF file (the bundled model when `path`
+    is None). `tokenizer` names a directory with a tokenizer.json to use instead of the model's.
 
     `threads` sets torch's CPU threads (None leaves them as they are). `kernels="native"` runs a
     bf16 decode step on the CPU through the native kernels (see `kernels`). Every argument is
@@ -287,8 +289,24 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     if threads is not None:
         torch.set_num_threads(threads)
     cfg, net, experts = _assemble(path, options, None, None)
-    tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
-    return Model(path, options, cfg, net, tokenizer, experts)
+    return Model(path, options, cfg, net, _tokenizer(path, tokenizer), experts)
+
+
+def _tokenizer(path: Path, directory: str | os.PathLike | None) -> Tokenizer | None:
+    """The tokenizer from `directory` (a tokenizer.json and its config) when given; else the
+    model's: a GGUF file's metadata, or the checkpoint directory's tokenizer.json (None if it
+    has none)."""
+    if directory is not None:
+        return Tokenizer(directory)
+    from .gguf_tokenizer import tokenizer_parts_from_gguf
+    from .models.gguf_loader import is_gguf
+
+    if is_gguf(path):
+        from .checkpoint.gguf_io import GGUFCheckpoint
+
+        gg = GGUFCheckpoint(path)
+        return Tokenizer.from_parts(*tokenizer_parts_from_gguf(gg.metadata, str(gg.files[0])))
+    return Tokenizer(path) if (path / "tokenizer.json").exists() else None
 
 
 def _device(device: str | torch.device) -> torch.device:

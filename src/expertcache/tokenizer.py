@@ -63,6 +63,8 @@ class Tokenizer:
         self.bos_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
         self.add_bos = bool(cfg.get("add_bos_token", False)) and self.bos_id is not None
+        # Every id generation ends at (a GGUF names them all: eos, eot, ...); eos alone otherwise.
+        self.end_ids = set(cfg.get("eog_token_ids") or ()) | ({self.eos_id} if self.eos_id is not None else set())
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: use the default one
             named = {t.get("name"): t.get("template") for t in template}

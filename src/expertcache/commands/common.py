@@ -11,7 +11,10 @@ from ..flags import add_kernels_flag, cache_config, positive_int
 
 
 def add_model_flags(p: argparse.ArgumentParser, ctx: bool = True) -> None:
-    p.add_argument("-m", "--model", help="model directory (default: the bundled tiny Qwen3-MoE)")
+    p.add_argument("-m", "--model", help="model: a Hugging Face checkpoint directory or a GGUF file "
+                                         "(default: the bundled tiny Qwen3-MoE)")
+    p.add_argument("--tokenizer", metavar="DIR", help="a directory with tokenizer.json (and tokenizer_config.json) "
+                                                      "to use instead of the model's own tokenizer")
     p.add_argument("--dtype", help="compute dtype: float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("-t", "--threads", type=positive_int, help="CPU threads for torch")
@@ -26,7 +29,7 @@ def load_model(args):
 
     return load(args.model, device=args.device, dtype=args.dtype, cache=cache_config(args),
                 ctx_size=getattr(args, "ctx_size", None), threads=args.threads,
-                kernels=args.kernels)
+                kernels=args.kernels, tokenizer=args.tokenizer)
 
 
 def read_text_file(path: str) -> str:

@@ -106,6 +106,7 @@ class GGUFDense:
                  arch: type[Architecture], cfg: ModelConfig):
         self.gg, self.names, self.shapes, self.arch, self.cfg = gg, names, shapes, arch, cfg
         self.files = gg.files
+        self.metadata = gg.metadata  # the tokenizer and chat template come from here
 
     def __contains__(self, hf_name: str) -> bool:
         return hf_name in self.names
