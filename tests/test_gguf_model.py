@@ -163,3 +163,38 @@ def test_a_tokenizer_directory_replaces_the_files(tmp_path, capsys):
     code, err = run_cli(capsys, "run", "-m", str(FIXTURES / "olmoe-Q8_0.gguf"), "--tokenizer", str(tmp_path),
                         "-p", "w5 w6", "-n", "2")
     assert code == 0, err
+
+
+def _decode(model, steps=6):
+    s = model.new_session()
+    logits, out = model.prefill(s, PROMPT), []
+    for _ in range(steps):
+        logits = model.prefill(s, [int(logits.argmax())])
+        out.append(logits)
+    return torch.stack(out)
+
+
+def test_native_decode_multiplies_the_blocks_and_never_depends_on_the_cache(monkeypatch):
+    path = FIXTURES / "qwen3_moe-mix.gguf"
+    model = expertcache.load(path, kernels="native")
+    calls = {"experts": 0}
+    quant = model.kernels.quant
+
+    class Counting:
+        def __getattr__(self, name):
+            fn = getattr(quant, name)
+            if name != "experts":
+                return fn
+
+            def call(*args):
+                calls["experts"] += 1
+                return fn(*args)
+            return call
+
+    monkeypatch.setattr(model.kernels, "_quant", Counting())
+    want = _decode(model)
+    assert calls["experts"] == 6 * len(model.cfg.moe_layers)  # one call per layer and step
+    for cache in CACHES:
+        assert torch.equal(_decode(expertcache.load(path, kernels="native", cache=cache)), want), cache
+    torch_path = _decode(expertcache.load(path))
+    assert float((torch_path.float() - want.float()).abs().max() / torch_path.float().abs().max()) < 0.05

@@ -186,6 +186,7 @@ class NativeKernels(Kernels):
 
     def __init__(self, module: ModuleType):
         self.native = module
+        self._quant: ModuleType | None = None
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         # A native model is bf16 on the CPU (`check_choice`), so one row is the native product.
@@ -199,7 +200,24 @@ class NativeKernels(Kernels):
             return self.native.rms_norm(x.contiguous(), weight, eps)  # one call for torch's eight
         return super().rms_norm(x, weight, eps)
 
+    @property
+    def quant(self) -> ModuleType:
+        """The kernels over quantized blocks (`quant_native`), built when first needed."""
+        if self._quant is None:
+            from .quant_native import load_quant_native
+
+            self._quant = load_quant_native()
+        return self._quant
+
     def experts_one_row(self, x: torch.Tensor, wave: list) -> torch.Tensor | None:
+        first = wave[0][1] if wave else None
+        if first is not None and not isinstance(first.down, torch.Tensor):
+            # Quantized experts: products straight from the blocks, the wave in one call. All
+            # experts of a layer share one format, so the wave's types are the first's.
+            y = self.quant.experts(x[0].contiguous(), [w.gate.raw for _, w in wave], [w.up.raw for _, w in wave],
+                                   [w.down.raw for _, w in wave], int(first.gate.qtype), int(first.up.qtype),
+                                   int(first.down.qtype))  # [n, D] float32
+            return y.to(x.dtype)
         if not all(isinstance(w.gate_up, torch.Tensor) for _, w in wave):
             return None
         # Each expert's row is what it would be alone. Slot views are contiguous [2I, D] and
