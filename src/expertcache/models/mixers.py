@@ -57,6 +57,10 @@ class Mixer:
         """x [T, D] -> [T, D] after what `kv` holds (the caller advances it)."""
         raise NotImplementedError
 
+    def weight_bytes(self, w) -> int:
+        """Bytes of its projections a decode step reads (norms and vectors left out)."""
+        return sum(t.nbytes for t in (w.qkv, w.o))
+
 
 class Attention(Mixer):
     """Attention as most families have it; names from the architecture's tensor table."""
@@ -157,6 +161,9 @@ class DeltaNet(Mixer):
             setattr(w, f, r.keep(getattr(w, f)))
         w.conv = w.conv.contiguous()
         return w
+
+    def weight_bytes(self, w: DeltaNetWeights) -> int:
+        return sum(t.nbytes for t in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a, w.conv, w.out_proj))
 
     def new_state(self, device: torch.device, dtype: torch.dtype) -> DeltaNetState:
         return DeltaNetState.zeros(self.cfg, device, dtype)

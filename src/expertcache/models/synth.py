@@ -14,8 +14,9 @@ from tqdm import tqdm
 from ..checkpoint.writer import PlannedTensor, atomic_output_dir, write_safetensors
 from ..config import parse_dtype
 from ..errors import ExpertCacheError
+from . import for_model_type
 from .loader import expected_shapes
-from .qwen3_moe import Qwen3Moe
+from .qwen3_5_moe import default_layer_types
 
 PRESETS = {
     # Qwen3-30B-A3B: 48 layers of 128 experts of 3 x 2048 x 768, top-8.
@@ -23,6 +24,18 @@ PRESETS = {
                           head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                           intermediate_size=6144, num_hidden_layers=48, vocab_size=151936,
                           max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, norm_topk_prob=True),
+    # Qwen3.6-35B-A3B: 40 layers, three of every four Gated DeltaNet (16 key / 32 value heads of
+    # 128), every fourth gated full attention (16 query / 2 kv heads of 256, a quarter rotated);
+    # every layer 256 experts of 3 x 2048 x 512, top-8, and a shared expert of width 512.
+    "qwen3.6-35b-a3b": dict(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
+                            hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                            linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512, num_hidden_layers=40, vocab_size=248320,
+                            max_position_embeddings=262144, rms_norm_eps=1e-6,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                             "partial_rotary_factor": 0.25}),
     # Qwen3-235B-A22B's expert shape at a smaller width is not useful here; a small preset for tests.
     "tiny": dict(model_type="qwen3_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, intermediate_size=96,
@@ -46,8 +59,11 @@ def synth_config(like: str, layers: int | None = None, experts: int | None = Non
         if vocab < 260:
             raise ExpertCacheError(f"vocab {vocab} must be at least 260 (256 bytes and the special tokens)")
         raw["vocab_size"] = vocab
-    raw.update(architectures=["Qwen3MoeForCausalLM"], hidden_act="silu", tie_word_embeddings=False,
-               attention_bias=False, mlp_only_layers=[], decoder_sparse_step=1, eos_token_id=257,
+    if raw["model_type"] == "qwen3_5_moe_text":
+        raw["layer_types"] = list(default_layer_types(raw["num_hidden_layers"], raw["full_attention_interval"]))
+    else:
+        raw.update(architectures=["Qwen3MoeForCausalLM"], mlp_only_layers=[], decoder_sparse_step=1)
+    raw.update(hidden_act="silu", tie_word_embeddings=False, attention_bias=False, eos_token_id=257,
                bos_token_id=None, dtype=str(parse_dtype(dtype, "dtype")).removeprefix("torch."))
     return raw
 
@@ -56,22 +72,25 @@ def synth(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None = 2, 
           top_k: int | None = None, vocab: int | None = 4096, dtype: str = "bfloat16", seed: int = 0,
           force: bool = False, progress: bool = True) -> Path:
     raw = synth_config(like, layers, experts, top_k, vocab, dtype)
-    cfg = Qwen3Moe.config_from_hf(raw)
+    arch = for_model_type(raw["model_type"], f"--like {like}")
+    cfg = arch.config_from_hf(raw)
     torch_dtype = parse_dtype(dtype)
-    layout = Qwen3Moe.expert_layouts[0]
+    layout = arch.expert_layouts[0]
     gen = torch.Generator().manual_seed(seed)
 
     def random(shape, name):
         def produce():
             if name.endswith("norm.weight"):
-                yield torch.ones(shape, dtype=torch_dtype)
+                # A unit scale: w, or 1 + w where the family adds the 1 (but its gated DeltaNet norm).
+                zero = arch.unit_offset_norms and not name.endswith("linear_attn.norm.weight")
+                yield (torch.zeros if zero else torch.ones)(shape, dtype=torch_dtype)
                 return
             # Scaled so that activations keep unit size through the layers.
             fan_in = shape[-1]
             yield (torch.randn(shape, generator=gen) * fan_in ** -0.5).to(torch_dtype)
         return produce
 
-    planned = [PlannedTensor(n, torch_dtype, s, random(s, n)) for n, s in expected_shapes(cfg, Qwen3Moe, layout).items()]
+    planned = [PlannedTensor(n, torch_dtype, s, random(s, n)) for n, s in expected_shapes(cfg, arch, layout).items()]
     total = sum(t.nbytes for t in planned)
     with atomic_output_dir(Path(out), force) as tmp:
         with tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=not progress) as bar:
