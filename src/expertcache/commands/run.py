@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -101,29 +102,77 @@ def cmd_info(args) -> int:
     expert_numel = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     expert_params = expert_numel * cfg.num_experts * len(cfg.moe_layers)
     active = total - expert_params + expert_numel * cfg.top_k * len(cfg.moe_layers)
-    fmt = src.format(cfg.moe_layers[0])
+    from ..checkpoint.storage import storage_name
+
+    by_format: dict = {}
+    for i in cfg.moe_layers:
+        by_format.setdefault(src.format(i).describe(), []).append(i)
+    expert_bytes = {i: src.format(i).nbytes for i in cfg.moe_layers}
+    gguf = hasattr(m.ckpt, "gg")
+    files = m.ckpt.gg.files if gguf else m.ckpt.files
+    file_bytes = sum(f.stat().st_size for f in files)
+    mixers = [type(x).__name__.lower() for x in m.arch.mixers(cfg)]
     info = {
-        "path": str(m.path), "architecture": cfg.model_type, "layout": layout.name,
+        "path": str(m.path), "format": "gguf" if gguf else "safetensors", "architecture": cfg.model_type,
+        "layout": "gguf" if gguf else layout.name,
         "layers": cfg.num_layers, "moe_layers": len(cfg.moe_layers), "hidden_size": cfg.hidden_size,
+        "layer_pattern": _pattern(mixers),
         "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size, "context_length": cfg.max_position,
         "experts_per_layer": cfg.num_experts, "top_k": cfg.top_k,
         "expert_intermediate_size": cfg.moe_intermediate_size,
+        "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
         "params_total": total, "params_active_per_token": active,
-        "checkpoint_dtype": str(src.dtype).removeprefix("torch."), "expert_format": fmt.describe(),
-        "bytes_per_expert": fmt.nbytes,
+        "checkpoint_dtype": str(src.dtype).removeprefix("torch.") if src.dtype is not None else "quantized",
+        "expert_formats": {f: _ranges(layers) for f, layers in by_format.items()},
+        "bytes_per_expert": max(expert_bytes.values()),
+        "bytes_per_expert_by_layer": expert_bytes,
         "experts_total": cfg.num_experts * len(cfg.moe_layers),
-        "expert_bytes_total": sum(src.format(i).nbytes for i in cfg.moe_layers) * cfg.num_experts,
+        "expert_bytes_total": sum(expert_bytes.values()) * cfg.num_experts,
     }
+    info["dense_bytes_in_file"] = file_bytes - info["expert_bytes_total"]
+    if gguf:
+        groups: dict = {}
+        for name, t in m.ckpt.gg.tensors.items():
+            group = re.sub(r"^blk\.\d+\.", "", name).removesuffix(".weight")
+            kinds = groups.setdefault(group, {})
+            kinds[storage_name(t.storage)] = kinds.get(storage_name(t.storage), 0) + 1
+        info["tensor_types"] = groups
+        info["dense_weights"] = f"dequantized at load to {str(cfg.dtype).removeprefix('torch.')} (--dtype)"
     if args.json:
         print(json.dumps(info))
         return 0
     width = max(len(k) for k in info)
     for k, v in info.items():
-        if isinstance(v, int) and k.startswith(("params", "bytes", "expert_bytes")):
+        if isinstance(v, int) and k.startswith(("params", "bytes", "expert_bytes", "dense_bytes")):
             v = f"{v:,}"
+        elif isinstance(v, dict):
+            v = "; ".join(f"{a}: {b}" for a, b in v.items())
         print(f"{k:<{width}}  {v}")
     return 0
+
+
+def _ranges(layers: list[int]) -> str:
+    """'0-3, 5' for [0, 1, 2, 3, 5]."""
+    out, start = [], None
+    for i, n in enumerate(layers):
+        if start is None:
+            start = n
+        if i + 1 == len(layers) or layers[i + 1] != n + 1:
+            out.append(f"layers {start}-{n}" if n > start else f"layer {n}")
+            start = None
+    return ", ".join(out)
+
+
+def _pattern(kinds: list[str]) -> str:
+    """'attention x4' or 'deltanet x3, gatedattention, ...' in layer order, runs merged."""
+    out: list[list] = []
+    for k in kinds:
+        if out and out[-1][0] == k:
+            out[-1][1] += 1
+        else:
+            out.append([k, 1])
+    return ", ".join(k if n == 1 else f"{k} x{n}" for k, n in out)
 
 
 def _numel(shape) -> int:
