@@ -11,9 +11,13 @@
 // lanes, lane j taking the weights at k = j mod 16 in increasing k, then sums the lanes in a fixed
 // order. Every output element is one row, summed by one thread: a result depends only on the row
 // and the input, never on how rows are split across threads or how many experts a call holds.
-// With AVX2 and FMA the lanes are two 8-wide registers updated by fused multiply-adds (and the
-// hot block types decode with intrinsics); elsewhere, or with EXPERTCACHE_PORTABLE, the lanes are a
-// plain array the compiler vectorises as a separate multiply and add.
+// With AVX2 and FMA the lanes are two 8-wide registers updated by fused multiply-adds, and Q4_K,
+// Q5_K, Q6_K, Q8_0 and Q5_0 decode straight into registers (same bits, same lanes, no buffer);
+// elsewhere, or with EXPERTCACHE_PORTABLE, the lanes are a plain array the compiler vectorises as
+// a separate multiply and add. The two builds therefore differ in the last bits of a sum.
+//
+// ggml's own CPU kernels instead round x to 8 bits (Q8_K) and take integer dot products: faster,
+// but each product then carries x's rounding error (~1e-3 relative); here x stays fp32.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
