@@ -48,7 +48,8 @@ def test_fixtures_exist():
     families = set()
     for path in GGUF_FILES:
         for suffix in (".json", ".npz"):
-            assert path.with_suffix(suffix).is_file(), f"{path.name} has no recording {path.with_suffix(suffix).name}"
+            other = path.with_suffix(suffix)
+            assert other.is_file(), f"{path.name} has no recording {other.name}"
         families.add(json.loads(path.with_suffix(".json").read_text())["family"])
     assert families == set(FAMILIES), f"fixture families {sorted(families)}, expected {sorted(FAMILIES)}"
     total = sum(p.stat().st_size for p in FIXTURES.glob("*") if p.suffix in (".gguf", ".json", ".npz"))
@@ -79,6 +80,9 @@ def test_recording_matches_its_gguf(path: Path):
     assert _field(reader, f"{arch}.block_count") == cfg["num_hidden_layers"]
     assert _field(reader, f"{arch}.embedding_length") == cfg["hidden_size"]
     assert len(reader.fields["tokenizer.ggml.tokens"].data) == cfg["vocab_size"]
+    # Before quantization, llama.cpp's forward on the F32 file matched transformers' fp32 one.
+    agree = rec["f32_vs_transformers"]
+    assert agree["argmax_equal"] and agree["max_abs_diff"] < 1e-4 * agree["max_abs_logit"], agree
 
 
 @pytest.mark.parametrize("path", GGUF_FILES, ids=[p.stem for p in GGUF_FILES])

@@ -57,7 +57,8 @@ FTYPES = {  # llama-quantize's names -> llama_ftype
 }
 
 
-def convert(converter_dir: Path, hf_dir: Path, out: Path, outtype: str = "f32", tokenizer_pre: str = "gpt-2") -> Path:
+def convert(converter_dir: Path, hf_dir: Path, out: Path, outtype: str = "f32",
+            tokenizer_pre: str = "gpt-2") -> Path:
     """Run llama.cpp's convert_hf_to_gguf.py on `hf_dir`, naming the pre-tokenizer `tokenizer_pre`
     when the converter does not recognise it (weights are converted exactly as the script does)."""
     if not (converter_dir / "convert_hf_to_gguf.py").is_file():

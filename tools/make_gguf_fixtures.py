@@ -182,9 +182,10 @@ def check(out: Path) -> int:
         for i, (a, b) in enumerate(zip(new["perplexity"]["chunk_nll"], old["perplexity"]["chunk_nll"])):
             if abs(a - b) > PPL_TOL * abs(b):
                 problems.append(f"chunk {i} NLL {a!r} != recorded {b!r}")
-        status = "; ".join(problems) if problems else (
-            "ok (logits bitwise equal)" if np.array_equal(arrays["logits"], old_logits) else "ok (within tolerance)")
-        print(f"{old['gguf']}: ppl {new['perplexity']['ppl']:.6f} (recorded {old['perplexity']['ppl']:.6f}): {status}")
+        same = np.array_equal(arrays["logits"], old_logits)
+        status = "; ".join(problems) or ("ok (logits bitwise equal)" if same else "ok (within tolerance)")
+        ppl_new, ppl_old = new["perplexity"]["ppl"], old["perplexity"]["ppl"]
+        print(f"{old['gguf']}: ppl {ppl_new:.6f} (recorded {ppl_old:.6f}): {status}")
         bad += bool(problems)
     return bad
 
@@ -267,7 +268,8 @@ def bundled(llama_dir: Path, outdir: Path) -> dict:
         finally:
             r.close()
         ppl["hf_tokenizer_equal"] = tokens == hf_token_ids(text)
-        result["files"][q] = {"gguf": path.name, "bytes": path.stat().st_size, "sha256": sha256(path), **ppl}
+        result["files"][q] = {"gguf": path.name, "bytes": path.stat().st_size, "sha256": sha256(path),
+                              "types": sorted(set(tensor_types(path).values())), **ppl}
         print(f"{path.name}: ppl {ppl['ppl']:.4f} +/- {ppl['ppl_uncertainty']:.4f} over {ppl['chunks']} chunks")
     (outdir / "bundled_ppl.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
