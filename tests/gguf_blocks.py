@@ -4,6 +4,8 @@ storage types hold such values as their weights."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
@@ -35,3 +37,23 @@ def random_rows(qtype: Q, rows: int, cols: int, seed: int, lo: int = -24, hi: in
         for at in FP16_FIELDS.get(qtype, ()):
             raw[:, at:at + 2] = fp16_values(rng, blocks, lo, hi).view(np.uint8).reshape(blocks, 2)
     return raw.reshape(rows, -1)
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
+
+
+def llama_cpp_tensors() -> list[tuple[str, Q, tuple[int, ...], np.ndarray]]:
+    """Every tensor of the GGUF fixtures quantized by llama.cpp's own tools (tests/fixtures/gguf):
+    (file:name, type, torch shape, raw bytes uint8 [rows, row_bytes])."""
+    from gguf import GGUFReader
+
+    files = sorted(FIXTURES.glob("*.gguf"))
+    assert files, f"no GGUF fixtures in {FIXTURES}"
+    out = []
+    for path in files:
+        for t in GGUFReader(path).tensors:
+            shape = tuple(int(n) for n in reversed(t.shape))  # ggml's ne[0] last
+            raw = np.array(t.data, copy=True).view(np.uint8).reshape(-1)  # writable, off the mmap
+            rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+            out.append((f"{path.stem}:{t.name}", Q(t.tensor_type), shape, raw.reshape(rows, -1)))
+    return out

@@ -10,7 +10,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from expertcache.errors import ExpertCacheError
 from expertcache.kernels import dequant
-from gguf_blocks import random_rows
+from gguf_blocks import llama_cpp_tensors, random_rows
 
 TYPES = [t.name for t in dequant.SUPPORTED]
 
@@ -53,6 +53,17 @@ def test_bit_identical_across_chunks(name):
     raw = random_rows(qtype, rows, cols, seed=7)
     want = reference(raw, qtype, (rows, cols))
     assert_same_bits(dequant.dequantize(torch.from_numpy(raw), qtype, (rows, cols)), want)
+
+
+def test_bit_identical_on_every_tensor_llama_cpp_quantized():
+    """Real blocks, as llama-quantize writes them, of every supported type (the fixtures hold
+    all fifteen), including 3-D expert tensors."""
+    seen = set()
+    for name, qtype, shape, raw in llama_cpp_tensors():
+        got = dequant.dequantize(torch.from_numpy(raw), qtype, shape)
+        assert_same_bits(got, reference(raw, qtype, shape))
+        seen.add(qtype.name)
+    assert seen == set(TYPES)
 
 
 def test_random_f32_and_bf16_bytes_keep_their_bits():

@@ -12,7 +12,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from expertcache.kernels import _cpu_flags
 from expertcache.kernels.quant_native import NATIVE_TYPES, load_quant_native
-from gguf_blocks import random_rows
+from gguf_blocks import llama_cpp_tensors, random_rows
 
 TYPES = [t.name for t in NATIVE_TYPES]
 
@@ -100,6 +100,21 @@ def test_register_level_decoding_gives_the_plain_decoders_sums(native, name):
     raw, _ = weights(qtype, 50, cols, seed=9)
     x = vector(cols, seed=4)
     assert torch.equal(native.gemv(raw, qtype, x), native.gemv_decoded(raw, qtype, x))
+
+
+def test_llama_cpp_quantized_tensors(native):
+    """Every 2-D and 3-D tensor of the fixtures, as llama-quantize wrote it: decoded bit for bit
+    as gguf-py decodes it, and its product (each expert of a 3-D tensor apart) close to float64."""
+    for name, qtype, shape, raw in llama_cpp_tensors():
+        if len(shape) < 2:
+            continue
+        want = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qtype))).reshape(-1, shape[-1])
+        rows = torch.from_numpy(raw)
+        assert torch.equal(native.dequantize(rows, qtype, shape[-1]).view(torch.int32), want.view(torch.int32)), name
+        per = shape[-2]
+        x = vector(shape[-1], seed=len(name))
+        for m in range(len(rows) // per):
+            assert_close_to_exact(native.gemv(rows[m * per:(m + 1) * per], qtype, x), want[m * per:(m + 1) * per], x)
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0"])
