@@ -1,0 +1,91 @@
+"""A/B speed of two versions of expertcache in one process: prefill and decode alternated,
+old and new in turn, and the median of the paired ratios (new speed / old speed).
+
+One process and alternation make host noise weigh on both sides alike. The old version is a
+source tree (for example a `git worktree add /tmp/old COMMIT`), copied here under the package
+name `expertcache_old` so that both import side by side.
+
+    git worktree add /tmp/old 77dd92f
+    python tools/ab_speed.py --old /tmp/old/src --model bundled --rounds 9
+    python tools/ab_speed.py --old /tmp/old/src --model /tmp/q30 --threads 2 --prompt 64
+
+Prints a table and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+
+def import_old(src: Path):
+    work = Path(tempfile.mkdtemp(prefix="ab_speed_"))
+    shutil.copytree(src / "expertcache", work / "expertcache_old")
+    for py in (work / "expertcache_old").rglob("*.py"):
+        text = py.read_text()
+        py.write_text(re.sub(r"\b(from|import) expertcache\.", r"\1 expertcache_old.", text))
+    sys.path.insert(0, str(work))
+    import expertcache_old
+
+    return expertcache_old
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--old", required=True, type=Path, help="the old version's src/ directory")
+    ap.add_argument("--model", default="bundled", help="a model path, or 'bundled'")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kernels", default="torch")
+    ap.add_argument("--prompt", type=int, default=128, help="prefill tokens per round")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps per round")
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    import expertcache
+
+    old = import_old(args.old)
+    torch.set_num_threads(args.threads)
+    path = None if args.model == "bundled" else args.model
+    models = {"old": old.load(path, kernels=args.kernels), "new": expertcache.load(path, kernels=args.kernels)}
+    ids = [(7 * i) % 250 + 3 for i in range(args.prompt)]
+
+    def one(m):
+        s = m.new_session()
+        t = time.perf_counter()
+        tok = int(m.prefill(s, ids).argmax())
+        p = time.perf_counter() - t
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            tok = int(m.prefill(s, [tok]).argmax())
+        return p, (time.perf_counter() - t) / args.steps
+
+    for m in models.values():
+        one(m)  # warm-up
+    rows = []
+    for r in range(args.rounds):
+        got = {}
+        for k in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            got[k] = one(models[k])
+        rows.append((got["old"][0] / got["new"][0], got["old"][1] / got["new"][1]))
+    print(f"{'round':>5} {'prefill new/old':>16} {'decode new/old':>15}")
+    for i, (p, d) in enumerate(rows):
+        print(f"{i:>5} {p:>16.3f} {d:>15.3f}")
+    out = {"model": args.model, "threads": args.threads, "kernels": args.kernels, "rounds": args.rounds,
+           "prefill_ratio_median": statistics.median(p for p, _ in rows),
+           "decode_ratio_median": statistics.median(d for _, d in rows)}
+    print(f"median {out['prefill_ratio_median']:>16.3f} {out['decode_ratio_median']:>15.3f}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
