@@ -209,3 +209,15 @@ def test_native_prefill_dequantizes_to_the_same_bits_as_torch():
         for part in ("gate", "up", "down"):
             w = getattr(layer_views[slot], part)
             assert torch.equal(native_model.kernels.dense(w, torch.bfloat16), torch_model.kernels.dense(w, torch.bfloat16))
+
+
+def test_a_run_of_experts_is_one_read_per_tensor():
+    path = FIXTURES / "qwen3_moe-mix.gguf"
+    model = expertcache.load(path, cache=CacheConfig(mode="cache", experts=8, store="disk"))
+    store = model.experts.store
+    before = store.reads
+    list(model.experts.acquire(0, [2, 3, 4, 5]))  # four missing experts, consecutive: one run
+    assert store.reads - before == 3  # gate, up and down tensors, each one range for the run
+    t = model.telemetry()["total"]
+    assert (t["copied_experts"], t["copy_ranges"]) == (4, 3)
+    assert torch.equal(model.logits(PROMPT), expertcache.load(path).logits(PROMPT))

@@ -157,18 +157,19 @@ class GGUFExperts:
         m = self._formats[self.layers[0]].matrices[0]
         return None if is_quantized(m.storage) else m.storage
 
-    @property
-    def ranges_per_run(self) -> int:
-        return max(len(n) for n in self._names.values())
-
     def format(self, layer: int) -> ExpertFormat:
         return self._formats[layer]
 
     def segments(self, layer: int, e: int) -> list[Segment]:
         return [self.gg.segment(name, e) for _, name in self._names[layer]]
 
-    def run_segment(self, layer: int, first: int, n: int) -> Segment | None:
-        return None  # an expert is two or three ranges: a run is one read per tensor
+    def run_parts(self, layer: int, first: int, n: int) -> list[tuple[Segment, int, int]]:
+        # An expert is a slice of each of two or three tensors: a run is one read per tensor.
+        out = []
+        for (_, name), m in zip(self._names[layer], self._formats[layer].matrices):
+            a = self.gg.segment(name, first)
+            out.append((Segment(a.file, a.offset, a.nbytes * n), m.offset, m.nbytes))
+        return out
 
     def read(self, layer: int, e: int) -> torch.Tensor:
         return torch.cat([self.gg.read_rows(name, e).reshape(-1) for _, name in self._names[layer]])

@@ -89,11 +89,11 @@ class HFExperts:
                 out.append(Segment(info.file, info.offset + e * row, row))
         return out
 
-    def run_segment(self, layer: int, first: int, n: int) -> Segment | None:
+    def run_parts(self, layer: int, first: int, n: int) -> list[tuple[Segment, int, int]] | None:
         if not self.layout.packed:
             return None
         a = self.segments(layer, first)[0]
-        return Segment(a.file, a.offset, a.nbytes * n)
+        return [(Segment(a.file, a.offset, a.nbytes * n), 0, a.nbytes)]
 
     def read(self, layer: int, e: int) -> torch.Tensor:
         L = self.layout

@@ -177,7 +177,7 @@ class ExpertCache:
                 dst = self.pool[slot: slot + count]
                 self.transfers.copy(list(range(slot, slot + count)),
                                     lambda nb, f=first, d=dst: self.store.copy_run(layer, f, d, nb))
-                issued += 1
+                issued += self.store.ranges(layer, first, count)
         self.telemetry_.copy_seconds += time.perf_counter() - t0
         version = self.store.versions
         fmt = self.formats[layer]

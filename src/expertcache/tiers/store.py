@@ -56,8 +56,10 @@ class ExpertSource(Protocol):
     def segments(self, layer: int, e: int) -> list[Segment]:
         """Expert (layer, e)'s bytes: one range per matrix, in the format's order."""
 
-    def run_segment(self, layer: int, first: int, n: int) -> Segment | None:
-        """Experts first..first+n-1 as one range of the file, when they are one; else None."""
+    def run_parts(self, layer: int, first: int, n: int) -> list[tuple[Segment, int, int]] | None:
+        """Experts first..first+n-1 as a few ranges of the file, when they are: each part is one
+        range holding the n experts' pieces of `size` bytes back to back, each piece going to byte
+        `offset` of its expert's slot, as (range, offset, size); None when the run is not."""
 
     def read(self, layer: int, e: int) -> torch.Tensor:
         """Expert (layer, e)'s bytes [nbytes] uint8, in the file's format."""
@@ -101,8 +103,12 @@ class ExpertStore(ABC):
         """Copy experts first .. first+len(dst)-1 of `layer` into dst [n, slot_bytes] (uint8)."""
 
     def contiguous_run(self, layer: int, first: int, n: int) -> bool:
-        """Whether experts first..first+n-1 are one range in this tier (one transfer)."""
+        """Whether experts first..first+n-1 are copied by one call (`ranges` reads)."""
         return True
+
+    def ranges(self, layer: int, first: int, n: int) -> int:
+        """Reads (ranges of the tier) one call copying experts first..first+n-1 makes."""
+        return 1
 
     def close(self) -> None:
         pass
@@ -147,7 +153,11 @@ class DiskStore(ExpertStore):
         self.read_hook: Callable[[int], None] | None = None
 
     def contiguous_run(self, layer: int, first: int, n: int) -> bool:
-        return self.source.run_segment(layer, first, n) is not None
+        return self.source.run_parts(layer, first, n) is not None
+
+    def ranges(self, layer: int, first: int, n: int) -> int:
+        parts = self.source.run_parts(layer, first, n)
+        return len(parts) if parts is not None else 1
 
     def _read(self, seg: Segment, targets: list[memoryview]) -> None:
         fd = self._fds[seg.file]
@@ -182,11 +192,12 @@ class DiskStore(ExpertStore):
         direct = src_fmt == fmt and dst.device.type == "cpu" and dst.is_contiguous()
         host = dst if direct else torch.empty(n, size, dtype=torch.uint8)
         rows = [memoryview(host[i, :size].numpy()) for i in range(n)]
-        run = self.source.run_segment(layer, first, n) if n > 1 else None
+        parts = self.source.run_parts(layer, first, n)
         files = set()
-        if run is not None:
-            self._read(run, rows)  # one read for the run
-            files.add(run.file)
+        if parts is not None:
+            for seg, offset, each in parts:  # one read per part, scattered into the n slots
+                self._read(seg, [row[offset: offset + each] for row in rows])
+                files.add(seg.file)
         else:
             for i in range(n):
                 pos = 0
