@@ -122,3 +122,20 @@ def assert_one_line_error(code: int, err: str, *needles: str) -> None:
     assert "Traceback" not in err
     for n in needles:
         assert n in lines[0], lines[0]
+
+
+class CountingModule:
+    """A native module whose calls of `names` are counted (`calls`); every call passes through."""
+
+    def __init__(self, module, *names):
+        self.module, self.calls = module, dict.fromkeys(names, 0)
+
+    def __getattr__(self, name):
+        fn = getattr(self.module, name)
+        if name not in self.calls:
+            return fn
+
+        def call(*args):
+            self.calls[name] += 1
+            return fn(*args)
+        return call

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import expertcache
+from conftest import CountingModule
 from expertcache import CacheConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
@@ -177,23 +178,10 @@ def _decode(model, steps=6):
 def test_native_decode_multiplies_the_blocks_and_never_depends_on_the_cache(monkeypatch):
     path = FIXTURES / "qwen3_moe-mix.gguf"
     model = expertcache.load(path, kernels="native")
-    calls = {"experts": 0}
-    quant = model.kernels.quant
-
-    class Counting:
-        def __getattr__(self, name):
-            fn = getattr(quant, name)
-            if name != "experts":
-                return fn
-
-            def call(*args):
-                calls["experts"] += 1
-                return fn(*args)
-            return call
-
-    monkeypatch.setattr(model.kernels, "_quant", Counting())
+    counting = CountingModule(model.kernels.quant, "experts")
+    monkeypatch.setattr(model.kernels, "_quant", counting)
     want = _decode(model)
-    assert calls["experts"] == 6 * len(model.cfg.moe_layers)  # one call per layer and step
+    assert counting.calls["experts"] == 6 * len(model.cfg.moe_layers)  # one call per layer and step
     for cache in CACHES:
         assert torch.equal(_decode(expertcache.load(path, kernels="native", cache=cache)), want), cache
     torch_path = _decode(expertcache.load(path))

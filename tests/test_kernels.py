@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import expertcache
 from expertcache import CacheConfig, ExpertCacheError, kernels
-from conftest import VOCAB, assert_one_line_error, run_cli
+from conftest import VOCAB, CountingModule, assert_one_line_error, run_cli
 
 PROMPT = torch.randint(4, VOCAB, (12,), generator=torch.Generator().manual_seed(5)).tolist()
 STEPS = 12
@@ -230,24 +230,11 @@ def test_a_reload_keeps_the_native_kernels(checkpoint, tmp_path, monkeypatch):
     _perturb(new / "model.safetensors")
     (work / "model.safetensors").unlink()
     shutil.copy(new / "model.safetensors", work / "model.safetensors")
-    calls = {"experts": 0}
-    real = model.kernels.native
-
-    class Counting:
-        def __getattr__(self, name):
-            fn = getattr(real, name)
-            if name != "experts":
-                return fn
-
-            def call(*args):
-                calls["experts"] += 1
-                return fn(*args)
-            return call
-
-    monkeypatch.setattr(model.kernels, "native", Counting())
+    counting = CountingModule(model.kernels.native, "experts")
+    monkeypatch.setattr(model.kernels, "native", counting)
     model.begin_call()
     got = decode_logits(model)
-    assert model.kernels.name == "native" and calls["experts"] > 0
+    assert model.kernels.name == "native" and counting.calls["experts"] > 0
     assert torch.equal(got, decode_logits(expertcache.load(new, kernels="native")))
     assert model.telemetry()["invalidations"]["source"] > 0
 

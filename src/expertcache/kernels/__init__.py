@@ -54,37 +54,43 @@ def _cpu_flags() -> str:
     return ""
 
 
-def load_native(portable: bool = False) -> ModuleType:
-    """Build (first use) or load the native kernels; one line of error if that cannot be done.
+def build_native(stem: str, source: Path, what: str, extra_flags: tuple[str, ...] = (),
+                 portable: bool = False) -> ModuleType:
+    """Build (first use, about a minute; then cached by torch) or load a native module of this
+    package; one line of error naming `what` if that cannot be done.
 
-    `portable=True` builds the loop that CPUs without AVX512-BF16 get, on any CPU (for the tests)."""
-    if portable in _loaded:
-        return _loaded[portable]
+    -fopenmp: at::parallel_for is inline and splits work across threads only when compiled with
+    OpenMP. -march=native compiles for this CPU, so the build is named after the CPU's features:
+    a cache directory shared with another machine never hands it a build for a different CPU.
+    `portable=True` builds the loop that CPUs without the wide instructions get, on any CPU."""
     from torch.utils import cpp_extension
 
-    # -fopenmp: at::parallel_for is inline and splits work across threads only when compiled
-    # with OpenMP. -march=native compiles for this CPU, so the build is named after the CPU's
-    # features: a cache directory shared with another machine never hands it a build for a
-    # different CPU.
     tag = hashlib.sha1(_cpu_flags().encode()).hexdigest()[:10]
-    name = f"expertcache_decode_{tag}" + ("_portable" if portable else "")
-    flags = ["-O3", "-march=native", "-fopenmp"] + (["-DEXPERTCACHE_PORTABLE"] if portable else [])
+    name = f"expertcache_{stem}_{tag}" + ("_portable" if portable else "")
+    flags = ["-O3", "-march=native", "-fopenmp", *extra_flags] + (["-DEXPERTCACHE_PORTABLE"] if portable else [])
     try:
         cpp_extension.verify_ninja_availability()
     except RuntimeError:
-        raise ExpertCacheError("--kernels native: ninja was not found; expected it on PATH "
+        raise ExpertCacheError(f"{what}: ninja was not found; expected it on PATH "
                                "(pip install ninja, or pip install 'expertcache[native]')") from None
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     if not any(build_dir.glob("*.so")):
-        print("expertcache: building the native decode kernels (first use only, about a minute)",
-              file=sys.stderr, flush=True)
+        print(f"expertcache: building the {what} (first use only, about a minute)", file=sys.stderr, flush=True)
     try:
-        _loaded[portable] = cpp_extension.load(name, sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
+        return cpp_extension.load(name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                  verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         text = str(e).strip()
         first = text.splitlines()[0] if text else type(e).__name__
-        raise ExpertCacheError(f"--kernels native: the kernels could not be built ({first}); expected "
-                               "a C++ compiler (g++) and the Python headers") from None
+        raise ExpertCacheError(f"{what}: could not be built ({first}); expected a C++ compiler (g++) "
+                               "and the Python headers") from None
+
+
+def load_native(portable: bool = False) -> ModuleType:
+    """The native decode kernels (`--kernels native`), built on first use."""
+    if portable not in _loaded:
+        _loaded[portable] = build_native("decode", SOURCE, "--kernels native: the native decode kernels",
+                                         portable=portable)
     return _loaded[portable]
 
 

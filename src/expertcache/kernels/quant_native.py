@@ -23,15 +23,12 @@ summation order). Bad arguments raise RuntimeError naming the argument and what 
 
 from __future__ import annotations
 
-import hashlib
-import sys
 from pathlib import Path
 from types import ModuleType
 
 from gguf.constants import GGMLQuantizationType as Q
 
-from ..errors import ExpertCacheError
-from . import _cpu_flags
+from . import build_native
 
 SOURCE = Path(__file__).parent.parent / "native" / "quant.cpp"
 NATIVE_TYPES: tuple[Q, ...] = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K,
@@ -43,31 +40,9 @@ _loaded: dict[bool, ModuleType] = {}
 def load_quant_native(portable: bool = False) -> ModuleType:
     """Build (first use) or load the quantized-block kernels; one line of error if that cannot
     be done. `portable=True` builds the loop that CPUs without AVX2/FMA get, on any CPU."""
-    if portable in _loaded:
-        return _loaded[portable]
-    from torch.utils import cpp_extension
-
-    # -march=native: the build is named after this CPU's features, so a shared cache directory
-    # never hands it a build for another CPU. -ffp-contract=off: each weight is decoded with the
-    # separate roundings gguf-py uses (a fused multiply-add would change its last bit).
-    tag = hashlib.sha1(_cpu_flags().encode()).hexdigest()[:10]
-    name = f"expertcache_quant_{tag}" + ("_portable" if portable else "")
-    flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"] + (["-DEXPERTCACHE_PORTABLE"] if portable else [])
-    try:
-        cpp_extension.verify_ninja_availability()
-    except RuntimeError:
-        raise ExpertCacheError("native quantized kernels: ninja was not found; expected it on PATH "
-                               "(pip install ninja, or pip install 'expertcache[native]')") from None
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-    if not any(build_dir.glob("*.so")):
-        print("expertcache: building the native quantized kernels (first use only, about a minute)",
-              file=sys.stderr, flush=True)
-    try:
-        _loaded[portable] = cpp_extension.load(name, sources=[str(SOURCE)], extra_cflags=flags,
-                                               extra_ldflags=["-fopenmp"], verbose=False)
-    except (RuntimeError, OSError, ImportError) as e:
-        text = str(e).strip()
-        first = text.splitlines()[0] if text else type(e).__name__
-        raise ExpertCacheError(f"native quantized kernels could not be built ({first}); expected "
-                               "a C++ compiler (g++) and the Python headers") from None
+    if portable not in _loaded:
+        # -ffp-contract=off: each weight is decoded with the separate roundings gguf-py uses (a
+        # fused multiply-add would change its last bit).
+        _loaded[portable] = build_native("quant", SOURCE, "native quantized kernels", ("-ffp-contract=off",),
+                                         portable)
     return _loaded[portable]
