@@ -180,8 +180,9 @@ def _vocab(tokens: list[str], where: str) -> dict[str, int]:
 
 
 def _merges(metadata: dict, vocab: dict[str, int], where: str) -> list[tuple[str, str]]:
-    """Merge pairs in rank order. A pair whose parts or result are not tokens can never yield a
-    token in llama.cpp either; `tokenizers` refuses them, so they are dropped (ranks keep their order)."""
+    """Merge pairs in rank order. `tokenizers` refuses a pair whose parts or result are not tokens,
+    so such pairs are dropped (the others keep their order); converters do not write them, and in
+    llama.cpp they could only make a piece that is no token and falls back to bytes."""
     out = []
     for m in _list(metadata, "tokenizer.ggml.merges", where):
         cut = m.find(" ", 1)  # as llama.cpp: the first space after the first character
