@@ -107,6 +107,31 @@ def test_infos_and_bytes_match_the_writer_and_gguf_reader(model):
         assert np.allclose(up, floats, atol=np.abs(floats).max() / 100)
 
 
+def test_custom_alignment(tmp_path):
+    tensors = split_tensors()
+    w = GGUFWriter(str(tmp_path / "a.gguf"), "test")
+    w.add_custom_alignment(256)
+    for name, t in tensors.items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ref = {t.name: t for t in GGUFReader(tmp_path / "a.gguf").tensors}
+    with GGUFCheckpoint(tmp_path / "a.gguf") as ck:
+        for name, t in tensors.items():
+            assert ck.info(name).offset % 256 == 0 and ck.info(name).offset == ref[name].data_offset
+            assert np.array_equal(ck.read(name).numpy(), t.view(np.uint8))
+    data = bytearray((tmp_path / "a.gguf").read_bytes())
+    key = b"general.alignment"
+    at = data.index(key) + len(key) + 4  # after the key and its value type
+    struct.pack_into("<I", data, at, 48)
+    (tmp_path / "a.gguf").write_bytes(data)
+    with pytest.raises(ExpertCacheError) as e:
+        GGUFCheckpoint(tmp_path / "a.gguf")
+    one_line(e, "a.gguf", "'general.alignment' is 48", "power of two")
+
+
 def test_metadata_values(model):
     path, _, kv, _ = model
     with GGUFCheckpoint(path) as ck:
