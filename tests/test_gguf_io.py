@@ -422,3 +422,7 @@ def test_llama_cpp_files_read_like_gguf_py(path):
         for key, field in ref.fields.items():
             if not key.startswith("GGUF."):
                 assert ck.metadata[key] == field.contents(), key
+
+
+def test_llama_cpp_fixtures_are_present():
+    assert len(CONVERTED) >= 4, "tests/fixtures/gguf holds the llama.cpp-made files the tests above read"

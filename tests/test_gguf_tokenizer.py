@@ -248,3 +248,7 @@ def test_converted_models_tokenize_like_llama_cpp(fixture):
     start, stop = rec["heldout"]["chars"]
     assert llama_cpp_ids(tok, HELDOUT[start:stop]) == rec["heldout"]["tokens"]
     assert llama_cpp_ids(tok, rec["prompt"]["text"]) == rec["prompt"]["tokens"]
+
+
+def test_llama_cpp_recordings_are_present():
+    assert len(CONVERTED) >= 4, "tests/fixtures/gguf holds the llama.cpp recordings the test above compares with"
