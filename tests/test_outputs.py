@@ -65,3 +65,33 @@ def test_force_replaces_an_earlier_output(source, tmp_path, capsys):
     assert run_cli(capsys, "synth", "--like", "tiny", "--layers", "1", "-o", str(syn))[0] == 0
     assert run_cli(capsys, "synth", "--like", "tiny", "--layers", "1", "-o", str(syn), "--force", "--seed", "3")[0] == 0
     assert (syn / ".expertcache-output").is_file()
+
+
+def test_synth_quant_writes_a_q4_k_m_gguf_and_replaces_only_its_own(tmp_path, capsys):
+    import gguf
+    import torch
+
+    import expertcache
+    from expertcache.models.synth_gguf import q4_k_m_type
+
+    out = tmp_path / "q.gguf"
+    argv = ["synth", "--like", "qwen3-30b-a3b", "--layers", "2", "--experts", "4", "--top-k", "2",
+            "--vocab", "300", "--quant", "q4_k_m", "-o", str(out)]
+    assert run_cli(capsys, *argv)[0] == 0
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == "Q4_K" and types["blk.1.ffn_down_exps.weight"] == "Q6_K"
+    assert types["blk.0.ffn_down_exps.weight"] == "Q4_K" and types["output.weight"] == "Q6_K"
+    assert q4_k_m_type("blk.5.ffn_down_exps.weight", 5, 48).name == "Q6_K" == q4_k_m_type("output.weight", 0, 48).name
+    assert q4_k_m_type("blk.7.ffn_down_exps.weight", 7, 48).name == "Q4_K"
+    model = expertcache.load(out)
+    logits = model.logits([5, 6, 7])
+    assert torch.isfinite(logits).all() and logits.float().std() > 0
+    assert [m.storage.name for m in model.experts.formats[1].matrices] == ["Q4_K", "Q4_K", "Q6_K"]
+    code, err = run_cli(capsys, *argv)
+    assert_one_line_error(code, err, str(out), "already exists")
+    assert run_cli(capsys, *argv, "--force", "--seed", "2")[0] == 0
+    foreign = tmp_path / "foreign.gguf"
+    foreign.write_bytes(b"not ours")
+    code, err = run_cli(capsys, *argv[:-1], str(foreign), "--force")
+    assert_one_line_error(code, err, str(foreign), "not written by expertcache")
+    assert foreign.read_bytes() == b"not ours"

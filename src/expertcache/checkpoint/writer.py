@@ -96,6 +96,23 @@ def check_output(out: Path, force: bool, sources: tuple[Path, ...] = ()) -> Path
     return full
 
 
+def check_output_file(out: Path, force: bool, marker: str, is_ours: Callable[[Path], bool]) -> Path:
+    """As `check_output`, for a command that writes one file: an existing path is replaced (with
+    --force) only when `is_ours` recognises it (a metadata key named `marker` in the file)."""
+    full = Path(out).resolve()
+    if full.is_dir() or Path(out).is_symlink():
+        raise ExpertCacheError(f"output {str(out)!r} is a directory or a link: expected a file path to write")
+    if full.exists():
+        if not is_ours(full):
+            raise ExpertCacheError(f"output {str(out)!r} exists and was not written by expertcache (no {marker} "
+                                   "key in it): expected a new path; --force replaces only earlier outputs")
+        if not force:
+            raise ExpertCacheError(f"output {str(out)!r} already exists (remove it or pass --force)")
+    if not full.parent.is_dir():
+        raise ExpertCacheError(f"output file's directory {str(full.parent)!r} does not exist")
+    return full
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: Path, force: bool = False, sources: tuple[Path, ...] = ()) -> Iterator[Path]:
     """Yield a temporary directory beside `out`; it becomes `out` only if the block completes.

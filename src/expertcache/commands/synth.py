@@ -7,8 +7,14 @@ from ..flags import positive_int
 
 
 def cmd_synth(args) -> int:
-    out = synth(args.output, args.like, args.layers, args.experts, args.top_k, args.vocab, args.dtype,
-                args.seed, args.force)
+    if args.quant is not None:
+        from ..models.synth_gguf import synth_gguf
+
+        out = synth_gguf(args.output, args.like, args.layers, args.experts, args.top_k, args.vocab, args.quant,
+                         args.seed, args.force)
+    else:
+        out = synth(args.output, args.like, args.layers, args.experts, args.top_k, args.vocab, args.dtype,
+                    args.seed, args.force)
     print(f"wrote {out}")
     return 0
 
@@ -21,7 +27,9 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=positive_int, help="experts per token (default: the model's)")
     p.add_argument("--vocab", type=positive_int, default=4096, help="vocabulary size (default: 4096)")
     p.add_argument("--dtype", default="bfloat16", help="weight dtype (default: bfloat16)")
+    p.add_argument("--quant", choices=("q4_k_m",), help="write a GGUF file quantized with llama.cpp's recipe "
+                   "(random valid blocks) instead of a safetensors directory")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--force", action="store_true", help="replace an earlier output of synth or pack")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_synth)
