@@ -298,3 +298,24 @@ def test_missing_deltanet_tensor_is_a_one_line_error(qwen35, capsys):
     with pytest.raises(ExpertCacheError, match=r"missing tensor 'model.layers.1.linear_attn.A_log' \(expected shape \[4\]"):
         expertcache.load(d)
     assert_one_line_error(*run_cli(capsys, "run", "-m", str(d), "-p", "w1"), "model.layers.1.linear_attn.A_log")
+
+
+def test_layer_types_default_and_pattern():
+    from expertcache.models import for_model_type
+    from expertcache.models.mixers import describe_layers
+    from expertcache.models.synth import synth_config
+
+    raw = synth_config("qwen3.6-35b-a3b", layers=40)
+    arch = for_model_type(raw["model_type"], "test")
+    assert describe_layers(arch.mixers(arch.config_from_hf(raw))) == "(deltanet x3, gated_attention) x10"
+    del raw["layer_types"]  # transformers' default: full attention every full_attention_interval-th layer
+    raw["full_attention_interval"] = 2
+    cfg = arch.config_from_hf(raw)
+    assert cfg.layer_types[:4] == (L, F, L, F)
+    assert (cfg.deltanet.k_heads, cfg.deltanet.v_heads, cfg.attention.rotary_dim) == (16, 32, 64)
+    wrapped = arch.config_from_hf({"model_type": "qwen3_5_moe", "dtype": "bfloat16",
+                                   "text_config": {**raw, "model_type": "qwen3_5_moe_text"}})
+    assert wrapped.wrapped and wrapped.dtype == torch.bfloat16 and arch.names(wrapped)["layer"].startswith(
+        "model.language_model.")
+    with pytest.raises(ExpertCacheError, match="layer_types .*expected a list of 40 layer types"):
+        arch.config_from_hf({**raw, "layer_types": [L] * 39})

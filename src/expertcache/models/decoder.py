@@ -23,7 +23,7 @@ from .gated_attention import rms_norm_fp32
 from .layers import KVCache, MLPWeights, Rotary
 from .mixers import Mixer
 from .moe import ExpertProvider, Routing, moe_experts, route
-from .state import SequenceState
+from .state import MAX_SNAPSHOTS, SNAPSHOT_EVERY, SequenceState
 
 
 @dataclass(slots=True)
@@ -72,6 +72,8 @@ class Decoder:
             raise ExpertCacheError(f"layers rotate {sorted(dims)} dims of a head; expected one rotary width")
         self.rotary = Rotary(cfg, device, dtype, dims.pop() if dims else None)
         self.norm = rms_norm_fp32 if weights.fp32_norms else kernels.rms_norm
+        # Recurrent-state snapshots of new sequences (`state.py`): how often while decoding, how many.
+        self.snapshot_every, self.max_snapshots = SNAPSHOT_EVERY, MAX_SNAPSHOTS
         self.routing_hook: RoutingHook | None = None
         # A hook that forces routing (benchmarks replay recorded traces): (layer, routing) -> routing.
         self.routing_override: Callable[[int, Routing], Routing] | None = None
@@ -87,7 +89,8 @@ class Decoder:
         attention = [i for i, lw in enumerate(layers) if not lw.mixer.recurrent]
         if not recurrent:
             return KVCache(self.cfg, max_len, self.device, self.dtype, attention)
-        return SequenceState(self.cfg, max_len, self.device, self.dtype, attention, recurrent)
+        return SequenceState(self.cfg, max_len, self.device, self.dtype, attention, recurrent,
+                             self.snapshot_every, self.max_snapshots)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, kv: KVCache, all_logits: bool = True) -> torch.Tensor:

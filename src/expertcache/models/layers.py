@@ -69,6 +69,7 @@ class KVCache:
         self.capacity = 0
         self.k: dict[int, torch.Tensor] = {}  # layer -> [G, capacity, Dh]
         self.v: dict[int, torch.Tensor] = {}
+        self.snapshots: list = []  # of recurrent state (`state.SequenceState`); none here
 
     def reserve(self, n: int) -> None:
         """Room for n tokens in every layer (kept: the first `length`)."""

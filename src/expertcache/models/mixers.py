@@ -170,3 +170,18 @@ class DeltaNet(Mixer):
 
     def __call__(self, kern, w, x, layer, kv, cos, sin):
         return deltanet(kern, self.cfg, w, x, kv.recurrent[layer], self.paths)
+
+
+def describe_layers(mixers: tuple[Mixer, ...]) -> str:
+    """The layer-type pattern in a few words, e.g. '(deltanet x3, gated_attention) x10'."""
+    kinds = [m.kind for m in mixers]
+    n = len(kinds)
+    period = next(p for p in range(1, n + 1) if n % p == 0 and kinds == kinds[:p] * (n // p))
+    runs: list[list] = []
+    for k in kinds[:period]:
+        if runs and runs[-1][0] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    body = ", ".join(k if c == 1 else f"{k} x{c}" for k, c in runs)
+    return body if n == period else f"({body}) x{n // period}" if len(runs) > 1 else f"{runs[0][0]} x{n}"

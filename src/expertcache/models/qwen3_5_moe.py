@@ -88,7 +88,9 @@ class Qwen35Moe(Architecture):
 
     @classmethod
     def mixers(cls, cfg: ModelConfig) -> tuple[Mixer, ...]:
-        assert isinstance(cfg, Qwen35Config)
+        if not isinstance(cfg, Qwen35Config):  # a config read without the family's fields (GGUF, for now)
+            raise ExpertCacheError(f"{cfg.model_type}: the layer types and DeltaNet shapes are unknown; "
+                                   "expected a Hugging Face checkpoint (config.json with layer_types)")
         by_type = {}
         if cfg.deltanet is not None:
             by_type["linear_attention"] = DeltaNet(cfg.deltanet, cfg.hidden_size)
