@@ -319,3 +319,33 @@ def test_layer_types_default_and_pattern():
         "model.language_model.")
     with pytest.raises(ExpertCacheError, match="layer_types .*expected a list of 40 layer types"):
         arch.config_from_hf({**raw, "layer_types": [L] * 39})
+
+
+def _serve_conversation(d, cache_prompt: bool, turns: list[list[str]]) -> list[tuple[str, dict]]:
+    """Chat turns through the server (in-process): each reply text and its timings."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from expertcache.server.app import create_app
+
+    model = expertcache.load(d, ctx_size=512)
+    out, msgs = [], []
+    with TestClient(create_app(model, cache_prompt=cache_prompt)) as c:
+        for words in turns:
+            msgs.append({"role": "user", "content": " ".join(words)})
+            r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            out.append((body["choices"][0]["message"]["content"], body["timings"]))
+            msgs.append({"role": "assistant", "content": out[-1][0]})
+    return out
+
+
+def test_server_prompt_cache_replies_equal_a_fresh_servers(qwen35):
+    _, d = qwen35(seed=13)
+    turns = [["w5", "w6", "w7"], ["w8", "w9"], ["w10", "w11", "w12"]]
+    cached = _serve_conversation(d, True, turns)
+    fresh = _serve_conversation(d, False, turns)
+    assert [text for text, _ in cached] == [text for text, _ in fresh]
+    assert all(t["cache_n"] == 0 for _, t in fresh)
+    assert cached[1][1]["cache_n"] > 0 and cached[2][1]["cache_n"] > cached[1][1]["cache_n"]
