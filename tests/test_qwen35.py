@@ -349,3 +349,18 @@ def test_server_prompt_cache_replies_equal_a_fresh_servers(qwen35):
     assert [text for text, _ in cached] == [text for text, _ in fresh]
     assert all(t["cache_n"] == 0 for _, t in fresh)
     assert cached[1][1]["cache_n"] > 0 and cached[2][1]["cache_n"] > cached[1][1]["cache_n"]
+
+
+def test_bf16_error_is_of_the_size_of_transformers_own(qwen35):
+    ref, d = qwen35(seed=14)
+    ids = ids_of(100, seed=15)
+    exact = ref_logits(ref, ids)
+    ref16 = ref.to(torch.bfloat16)
+    with torch.no_grad():
+        theirs = ref16(input_ids=ids[None], use_cache=False).logits[0].float()
+    model = expertcache.load(d, dtype="bfloat16")
+    s = model.new_session()
+    ours = torch.cat([model.prefill(s, ids[:90].tolist(), all_logits=True)]
+                     + [model.prefill(s, [t], all_logits=True) for t in ids[90:].tolist()]).float()
+    ours_err, ref_err = (ours - exact).abs().mean(), (theirs - exact).abs().mean()
+    assert ours_err <= 1.5 * ref_err + 1e-3, (ours_err, ref_err)
