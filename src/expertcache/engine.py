@@ -39,9 +39,12 @@ class Session:
     def copy(self) -> Session:
         return Session(self.kv.copy(), list(self.tokens), self.version)
 
-    def truncate(self, n: int) -> None:
-        self.kv.truncate(n)
+    def truncate(self, n: int) -> int:
+        """Keep at most the first n tokens; returns how many were kept (fewer than n where a
+        recurrent state could only be restored from an earlier snapshot)."""
+        n = self.kv.truncate(n)
         del self.tokens[n:]
+        return n
 
 
 @dataclass
@@ -196,7 +199,7 @@ class Model:
             session.version = self.version
         cached = common_prefix(session.tokens, ids)
         cached = min(cached, len(ids) - 1)  # the last prompt token must run to give logits
-        session.truncate(cached)
+        cached = session.truncate(cached)
 
         t0 = time.perf_counter()
         logits = self.prefill(session, ids[cached:], ubatch, should_stop=should_stop)

@@ -80,8 +80,7 @@ def weight_bytes_per_token(model) -> dict:
     cfg, w = model.cfg, model.net.weights
     dense = 0
     for lw in w.layers:
-        a = lw.attn
-        dense += sum(t.numel() * t.element_size() for t in (a.qkv, a.o))
+        dense += lw.mixer.weight_bytes(lw.attn)
         if lw.router is not None:
             dense += lw.router.numel() * lw.router.element_size()
         for mlp in (lw.dense, lw.shared):

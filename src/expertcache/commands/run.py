@@ -103,6 +103,7 @@ def cmd_info(args) -> int:
     expert_params = expert_numel * cfg.num_experts * len(cfg.moe_layers)
     active = total - expert_params + expert_numel * cfg.top_k * len(cfg.moe_layers)
     from ..checkpoint.storage import storage_name
+    from ..models.mixers import describe_layers
 
     by_format: dict = {}
     for i in cfg.moe_layers:
@@ -111,12 +112,11 @@ def cmd_info(args) -> int:
     gguf = hasattr(m.ckpt, "gg")
     files = m.ckpt.gg.files if gguf else m.ckpt.files
     file_bytes = sum(f.stat().st_size for f in files)
-    mixers = [type(x).__name__.lower() for x in m.arch.mixers(cfg)]
     info = {
         "path": str(m.path), "format": "gguf" if gguf else "safetensors", "architecture": cfg.model_type,
         "layout": "gguf" if gguf else layout.name,
         "layers": cfg.num_layers, "moe_layers": len(cfg.moe_layers), "hidden_size": cfg.hidden_size,
-        "layer_pattern": _pattern(mixers),
+        "layer_pattern": describe_layers(m.arch.mixers(cfg)),
         "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size, "context_length": cfg.max_position,
         "experts_per_layer": cfg.num_experts, "top_k": cfg.top_k,
@@ -162,17 +162,6 @@ def _ranges(layers: list[int]) -> str:
             out.append(f"layers {start}-{n}" if n > start else f"layer {n}")
             start = None
     return ", ".join(out)
-
-
-def _pattern(kinds: list[str]) -> str:
-    """'attention x4' or 'deltanet x3, gatedattention, ...' in layer order, runs merged."""
-    out: list[list] = []
-    for k in kinds:
-        if out and out[-1][0] == k:
-            out[-1][1] += 1
-        else:
-            out.append([k, 1])
-    return ", ".join(k if n == 1 else f"{k} x{n}" for k, n in out)
 
 
 def _numel(shape) -> int:

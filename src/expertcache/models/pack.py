@@ -9,6 +9,7 @@ router is `model.layers.{i}.mlp.gate.weight` and the experts one tensor
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -28,8 +29,11 @@ def pack(model_dir: str | Path, out: str | Path, dtype=None, force: bool = False
     planned: list[PlannedTensor] = []
     src_names = expected_shapes(cfg, m.arch, layout)
     expert_parts = {getattr(layout, f) for f in ("gate", "up", "down", "gate_up", "packed") if getattr(layout, f)}
+    names = m.arch.names(cfg)
+    in_layer = re.compile(re.escape(names["layer"]).replace(re.escape("{i}"), r"\d+"))
     for name, shape in src_names.items():
-        suffix = name.split(".", 3)[3] if name.startswith("model.layers.") else None
+        hit = in_layer.match(name)
+        suffix = name[hit.end():] if hit else None
         if suffix is not None and any(_matches(suffix, part) for part in expert_parts):
             continue  # experts are written packed below
         new_name = name
@@ -37,7 +41,7 @@ def pack(model_dir: str | Path, out: str | Path, dtype=None, force: bool = False
             new_name = name[: -len(suffix)] + PACKED_LAYOUT.router
         planned.append(PlannedTensor(new_name, out_dtype, shape,
                                      lambda n=name: iter([ckpt.read(n).to(out_dtype)])))
-    prefix = m.arch.tensor_names["layer"]
+    prefix = names["layer"]
     for layer in cfg.moe_layers:
         src_fmt = source.format(layer)
         # Written as gate, up, down of each expert in `out_dtype`: the packed layout's format.
