@@ -524,12 +524,6 @@ class Belady(Policy):
             raise ValueError(f"Belady: op {op_index} is outside the recorded trace of {self._n_ops} ops")
         self._op = op_index
 
-    def next_use(self, key: ExpertKey) -> int | None:
-        """Index of the first op after the current one that uses `key`; None if none does."""
-        uses = self._uses.get(key, [])
-        i = bisect_right(uses, self._op)
-        return uses[i] if i < len(uses) else None
-
     def _touch(self, key: ExpertKey) -> None:
         uses = self._uses.get(key, [])
         i = bisect_right(uses, self._op)
