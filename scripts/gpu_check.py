@@ -7,7 +7,10 @@
    equal to the resident mode's in staging and cache modes at every size, policy and store, and
    greedy generations identical; overwriting a slot must change the logits (compute reads slots);
    verify mode must catch a corrupted slot.
-2. On a checkpoint with Qwen3-30B-A3B's layer shapes (2 layers), decode and prefill speed in
+2. Quantized experts: every tensor of the GGUF fixtures (tests/fixtures/gguf, all 15 storage
+   types) dequantized on the GPU must equal the CPU's dequantization bitwise, and a GGUF model's
+   logits must be bitwise equal across cache modes on the GPU, with experts as the file's blocks.
+3. On a checkpoint with Qwen3-30B-A3B's layer shapes (2 layers), decode and prefill speed in
    resident, staging and cache modes at 25/50/75% with the pinned RAM store.
 Prints a table for each; exits 1 if any check fails.
 """
@@ -109,6 +112,40 @@ def bench(device: str, root: Path, threads: int) -> list[dict]:
     return out
 
 
+def quantized(device: str) -> list[tuple[str, bool, str]]:
+    from expertcache.checkpoint.gguf_io import GGUFCheckpoint
+    from expertcache.checkpoint.storage import is_quantized
+    from expertcache.kernels.dequant import dequantize
+
+    fixtures = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "gguf"
+    n = bad = 0
+    first_bad = ""
+    for path in sorted(fixtures.glob("*.gguf")):
+        gg = GGUFCheckpoint(path)
+        for name, info in gg.tensors.items():
+            if not is_quantized(info.storage):
+                continue
+            raw = gg.read(name)
+            same = torch.equal(dequantize(raw.to(device), info.storage, info.shape).cpu(),
+                               dequantize(raw, info.storage, info.shape))
+            n += 1
+            if not same:
+                bad += 1
+                first_bad = first_bad or f"{path.name}:{name} ({info.storage.name})"
+    rows = [(f"GPU dequantization == CPU's, bitwise: {n - bad}/{n} tensors", bad == 0 and n > 0, first_bad)]
+    model_path = fixtures / "qwen3_moe-mix.gguf"
+    ids = torch.randint(0, 4096, (48,), generator=torch.Generator().manual_seed(1))
+    for dtype in ("float32", "bfloat16"):
+        base = expertcache.load(model_path, device=device, dtype=dtype).logits(ids)
+        configs = [CacheConfig(mode="staging", store=st) for st in ("ram", "disk")]
+        configs += [CacheConfig(mode="cache", experts=k, store=st) for k in (1, 4) for st in ("ram", "mmap", "disk")]
+        ok = [torch.equal(expertcache.load(model_path, device=device, dtype=dtype, cache=c).logits(ids), base)
+              for c in configs]
+        bad_cfg = next((f"{c.mode} experts={c.experts} {c.store}" for c, o in zip(configs, ok) if not o), "")
+        rows.append((f"GGUF (quantized experts) bitwise across modes, {dtype}: {sum(ok)}/{len(ok)}", all(ok), bad_cfg))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -123,7 +160,7 @@ def main() -> int:
     print(f"device {name}, torch {torch.__version__}, threads {args.threads}")
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        rows = exactness(args.device, Path(tmp))
+        rows = exactness(args.device, Path(tmp)) + quantized(args.device)
         print(f"\n{'check':<64} result  ({time.perf_counter() - t0:.0f} s)")
         for what, ok, detail in rows:
             print(f"{what:<64} {'PASS' if ok else 'FAIL'}  {'' if ok else detail}")
