@@ -103,6 +103,10 @@ class RopeConfig:
         return inv, float(attention)
 
 
+# The gated MLP activations the decoder implements (`kernels.ACTIVATIONS`).
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """One architecture-neutral description of a decoder-only MoE model.
@@ -154,8 +158,9 @@ class ModelConfig:
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ExpertCacheError(f"num_experts_per_tok {self.top_k} must be between 1 and {self.num_experts}")
-        if self.hidden_act != "silu":
-            raise ExpertCacheError(f"unsupported hidden_act {self.hidden_act!r}: expected 'silu'")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ExpertCacheError(f"unsupported hidden_act {self.hidden_act!r}: expected "
+                                   f"{' or '.join(repr(a) for a in HIDDEN_ACTS)}")
         if self.qk_norm not in ("none", "head", "full"):
             raise ExpertCacheError(f"qk_norm {self.qk_norm!r}: expected none, head or full")
         if len(self.sparse_layers) != self.num_layers:

@@ -115,6 +115,13 @@ def select(kernels: str, device: torch.device, dtype: torch.dtype) -> Kernels:
 
 _REDUCED = (torch.bfloat16, torch.float16)
 
+# The gated MLP's activation by `hidden_act`: SwiGLU (silu) or GeGLU (Gemma's tanh-approximated
+# gelu). Only the torch path knows the second; the native calls decline it.
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
 
 class Kernels:
     """The operations whose implementation a model's kernel choice decides. `native` is the
@@ -150,21 +157,23 @@ class Kernels:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(dtype)
 
-    def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate(x)) * up(x)) with gate_up [2I, D] (gate rows, then up rows), down [D, I]."""
+    def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str = "silu") -> torch.Tensor:
+        """down(act(gate(x)) * up(x)) with gate_up [2I, D] (gate rows, then up rows), down [D, I];
+        `act` one of `ACTIVATIONS` (silu: SwiGLU, gelu_pytorch_tanh: GeGLU)."""
         I = down.shape[1]
         gu = self.linear(x, gate_up)                     # [T, 2I]
         # Two slices rather than chunk(): the same views, at a fraction of chunk's dispatch cost,
         # which counts 16 times a decode step at top-8.
-        return self.linear(F.silu(gu[:, :I]) * gu[:, I:], down)  # [T, D]
+        gate = F.silu(gu[:, :I]) if act == "silu" else ACTIVATIONS[act](gu[:, :I])
+        return self.linear(gate * gu[:, I:], down)  # [T, D]
 
-    def expert(self, x: torch.Tensor, w) -> torch.Tensor:
+    def expert(self, x: torch.Tensor, w, act: str = "silu") -> torch.Tensor:
         """One routed expert (`tiers.layout.ExpertWeights`) on x [T, D] -> [T, D]. Quantized
         matrices are dequantized exactly (to fp32, then the compute dtype) before the product."""
         if isinstance(w.gate_up, torch.Tensor) and isinstance(w.down, torch.Tensor):
-            return self.swiglu(x, w.gate_up, w.down)
+            return self.swiglu(x, w.gate_up, w.down, act)
         gate_up = torch.cat((self.dense(w.gate, x.dtype), self.dense(w.up, x.dtype)))  # [2I, D]
-        return self.swiglu(x, gate_up, self.dense(w.down, x.dtype))
+        return self.swiglu(x, gate_up, self.dense(w.down, x.dtype), act)
 
     def dense(self, w, dtype: torch.dtype) -> torch.Tensor:
         """A weight as a float matrix in `dtype`: itself, or its blocks dequantized (exactly, in
@@ -175,9 +184,9 @@ class Kernels:
 
         return dequantize(w.raw, w.qtype, w.shape).to(dtype)
 
-    def experts_one_row(self, x: torch.Tensor, wave: list) -> torch.Tensor | None:
+    def experts_one_row(self, x: torch.Tensor, wave: list, act: str = "silu") -> torch.Tensor | None:
         """A decode step's wave of experts [(id, ExpertWeights)] in one call, [n, D]; None when
-        this kernel set has no such call (each expert then runs through `swiglu`)."""
+        this kernel set has no such call for `act` (each expert then runs through `swiglu`)."""
         return None
 
 
@@ -224,7 +233,9 @@ class NativeKernels(Kernels):
         self.quant.dequantize_into(w.raw, int(w.qtype), out)
         return out
 
-    def experts_one_row(self, x: torch.Tensor, wave: list) -> torch.Tensor | None:
+    def experts_one_row(self, x: torch.Tensor, wave: list, act: str = "silu") -> torch.Tensor | None:
+        if act != "silu":
+            return None  # the native expert calls are SwiGLU only
         first = wave[0][1] if wave else None
         if first is not None and not isinstance(first.down, torch.Tensor):
             # Quantized experts: products straight from the blocks, the wave in one call. All

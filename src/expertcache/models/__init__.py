@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from ..errors import ExpertCacheError
 from .arch import Architecture
+from .gemma4 import Gemma4
 from .mixtral import Mixtral
 from .olmoe import Olmoe
 from .qwen2_moe import Qwen2Moe
 from .qwen3_5_moe import Qwen35Moe
 from .qwen3_moe import Qwen3Moe
 
-ARCHITECTURES: tuple[type[Architecture], ...] = (Qwen3Moe, Qwen2Moe, Olmoe, Mixtral, Qwen35Moe)
+ARCHITECTURES: tuple[type[Architecture], ...] = (Qwen3Moe, Qwen2Moe, Olmoe, Mixtral, Qwen35Moe, Gemma4)
 
 
 def supported() -> str:

@@ -109,6 +109,17 @@ class Architecture:
         attention = Attention(cfg, cls.names(cfg))
         return (attention,) * cfg.num_layers
 
+    @classmethod
+    def block(cls, cfg: ModelConfig):
+        """A feed-forward block that replaces the shared MLP/MoE step of every layer (Gemma 4's
+        `parallel_ffn.ParallelFFN`), or None."""
+        return None
+
+    @classmethod
+    def dense_options(cls, cfg: ModelConfig) -> dict:
+        """Extra `decoder.DenseWeights` fields (the family's norm, embedding scale, logit cap)."""
+        return {}
+
     # Whether a GGUF without `expert_weights_norm` renormalises the top-k weights (llama.cpp's
     # default for the architecture).
     gguf_norm_topk_prob: ClassVar[bool] = False

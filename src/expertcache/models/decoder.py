@@ -36,6 +36,10 @@ class LayerWeights:
     dense: MLPWeights | None = None          # dense (non-MoE) layers
     shared: MLPWeights | None = None         # Qwen2-MoE shared expert
     shared_gate: torch.Tensor | None = None  # [1, D]
+    # A feed-forward block that replaces the one above (Gemma 4's dense MLP beside the experts,
+    # `parallel_ffn.py`): block(decoder, lw, h, x, layer) -> the new residual; `block_w` its weights.
+    block: object | None = None
+    block_w: object | None = None
 
 
 @dataclass(slots=True)
@@ -49,6 +53,10 @@ class DenseWeights:
     # Norm weights hold 1 + w in fp32, applied in fp32 and rounded once (Qwen3.5), instead of w
     # applied in the compute dtype.
     fp32_norms: bool = False
+    # The family's own RMSNorm (x, weight, eps) -> x, where it has one (Gemma 4); else as above.
+    rms_norm: Callable | None = None
+    embed_scale: float | None = None     # embeddings times this (Gemma: sqrt(D))
+    logit_softcap: float | None = None   # logits -> cap * tanh(logits / cap)
 
 
 def _no_lap(name: str) -> None:
@@ -71,7 +79,7 @@ class Decoder:
         if len(dims) > 1:
             raise ExpertCacheError(f"layers rotate {sorted(dims)} dims of a head; expected one rotary width")
         self.rotary = Rotary(cfg, device, dtype, dims.pop() if dims else None)
-        self.norm = rms_norm_fp32 if weights.fp32_norms else kernels.rms_norm
+        self.norm = weights.rms_norm or (rms_norm_fp32 if weights.fp32_norms else kernels.rms_norm)
         # Recurrent-state snapshots of new sequences (`state.py`): how often while decoding, how many.
         self.snapshot_every, self.max_snapshots = SNAPSHOT_EVERY, MAX_SNAPSHOTS
         self.routing_hook: RoutingHook | None = None
@@ -87,8 +95,9 @@ class Decoder:
         recurrent = {i: lw.mixer.new_state(self.device, self.dtype) for i, lw in enumerate(layers)
                      if lw.mixer.recurrent}
         attention = [i for i, lw in enumerate(layers) if not lw.mixer.recurrent]
+        shapes = {i: lw.mixer.kv_shape for i, lw in enumerate(layers) if lw.mixer.kv_shape is not None}
         if not recurrent:
-            return KVCache(self.cfg, max_len, self.device, self.dtype, attention)
+            return KVCache(self.cfg, max_len, self.device, self.dtype, attention, shapes)
         return SequenceState(self.cfg, max_len, self.device, self.dtype, attention, recurrent,
                              self.snapshot_every, self.max_snapshots)
 
@@ -103,24 +112,26 @@ class Decoder:
         T = tokens.shape[0]
         kv.begin(T)
         cos, sin = self.rotary(kv.length, T)
+        act = cfg.hidden_act
         h = F.embedding(tokens, w.embed)  # [T, D]
+        if w.embed_scale is not None:
+            h = h * torch.tensor(w.embed_scale, dtype=h.dtype)
         for i, lw in enumerate(w.layers):
             h = h + lw.mixer(k, lw.attn, norm(h, lw.input_norm, eps), i, kv, cos, sin)
             x = norm(h, lw.post_norm, eps)
             lap("attention")
+            if lw.block is not None:
+                h = lw.block(self, lw, h, x, i)
+                continue
             if lw.router is None:
-                h = h + k.swiglu(x, lw.dense.gate_up, lw.dense.down)
+                h = h + k.swiglu(x, lw.dense.gate_up, lw.dense.down, act)
                 lap("dense_mlp")
                 continue
-            routing = route(k, x, lw.router, cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32)
-            if self.routing_override is not None:
-                routing = self.routing_override(i, routing)
-            if self.routing_hook is not None:
-                self.routing_hook(i, routing)
+            routing = self.hooked(i, route(k, x, lw.router, cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32))
             lap("routing")
-            y = moe_experts(k, x, routing, self.provider, i)
+            y = moe_experts(k, x, routing, self.provider, i, act)
             if lw.shared is not None:
-                shared = k.swiglu(x, lw.shared.gate_up, lw.shared.down)        # [T, D]
+                shared = k.swiglu(x, lw.shared.gate_up, lw.shared.down, act)  # [T, D]
                 y = y + torch.sigmoid(k.linear(x, lw.shared_gate)) * shared  # [T, D]
             h = h + y
             lap("experts")
@@ -129,5 +140,15 @@ class Decoder:
             h = h[-1:]
         h = norm(h, w.norm, eps)
         logits = k.linear(h, w.lm_head)  # [T, V]
+        if w.logit_softcap is not None:
+            logits = torch.tanh(logits / w.logit_softcap) * w.logit_softcap
         lap("lm_head")
         return logits
+
+    def hooked(self, layer: int, routing: Routing) -> Routing:
+        """A layer's routing after the override and the hook (benchmarks, traces) saw it."""
+        if self.routing_override is not None:
+            routing = self.routing_override(layer, routing)
+        if self.routing_hook is not None:
+            self.routing_hook(layer, routing)
+        return routing

@@ -57,14 +57,16 @@ class KVCache:
     """Keys and values of the attention layers for one sequence; it grows on demand up to `max_len`.
 
     `layers` names the layers that hold keys and values (every layer by default; a hybrid model's
-    recurrent layers hold none). It can be extended, truncated to a prefix and copied, so that a
-    prompt cache or several conversations can reuse it.
+    recurrent layers hold none). `shapes` gives (key/value heads, head dim) of layers whose
+    attention differs from the config's (Gemma 4's full layers). It can be extended, truncated to a
+    prefix and copied, so that a prompt cache or several conversations can reuse it.
     """
 
     def __init__(self, cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype,
-                 layers: Sequence[int] | None = None):
+                 layers: Sequence[int] | None = None, shapes: dict[int, tuple[int, int]] | None = None):
         self.cfg, self.max_len, self.device, self.dtype = cfg, max_len, device, dtype
         self.layers = tuple(range(cfg.num_layers)) if layers is None else tuple(layers)
+        self.shapes = dict(shapes or {})
         self.length = 0
         self.capacity = 0
         self.k: dict[int, torch.Tensor] = {}  # layer -> [G, capacity, Dh]
@@ -76,9 +78,14 @@ class KVCache:
         if n <= self.capacity:
             return
         cap = min(self.max_len, max(n, 2 * self.capacity, 256))
-        shape = (self.cfg.num_kv_heads, cap, self.cfg.head_dim)
-        new_k = {i: torch.empty(shape, device=self.device, dtype=self.dtype) for i in self.layers}
-        new_v = {i: torch.empty(shape, device=self.device, dtype=self.dtype) for i in self.layers}
+        default = (self.cfg.num_kv_heads, self.cfg.head_dim)
+
+        def shape(i: int) -> tuple[int, int, int]:
+            G, Dh = self.shapes.get(i, default)
+            return (G, cap, Dh)
+
+        new_k = {i: torch.empty(shape(i), device=self.device, dtype=self.dtype) for i in self.layers}
+        new_v = {i: torch.empty(shape(i), device=self.device, dtype=self.dtype) for i in self.layers}
         for old, new in ((self.k, new_k), (self.v, new_v)):
             for i, o in old.items():
                 new[i][:, : self.length].copy_(o[:, : self.length])
@@ -109,11 +116,12 @@ class KVCache:
         return 0
 
     def copy(self) -> KVCache:
-        other = KVCache(self.cfg, self.max_len, self.device, self.dtype, self.layers)
+        other = KVCache(self.cfg, self.max_len, self.device, self.dtype, self.layers, self.shapes)
         self._copy_into(other)
         return other
 
     def _copy_into(self, other: KVCache) -> None:
+        other.shapes = self.shapes
         if self.length:
             other.reserve(self.length)
             for src, dst in ((self.k, other.k), (self.v, other.v)):

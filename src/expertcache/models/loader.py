@@ -143,11 +143,14 @@ def expected_shapes(cfg: ModelConfig, arch: type[Architecture], layout: ExpertLa
         out.update({prefix + "gate_proj.weight": (width, D), prefix + "up_proj.weight": (width, D),
                     prefix + "down_proj.weight": (D, width)})
 
+    block = arch.block(cfg)
     for i, mixer in enumerate(arch.mixers(cfg)):
         p = N["layer"].format(i=i)
         out[p + N["input_norm"]] = (D,)
         out[p + N["post_norm"]] = (D,)
         out.update(mixer.shapes(p))
+        if block is not None:
+            out.update(block.shapes(p))
         if not cfg.sparse_layers[i]:
             mlp(p + N["mlp"], cfg.intermediate_size)
             continue
@@ -168,6 +171,15 @@ def expected_shapes(cfg: ModelConfig, arch: type[Architecture], layout: ExpertLa
     return out
 
 
+def optional_shapes(cfg: ModelConfig, arch: type[Architecture]) -> dict[str, tuple[int, ...]]:
+    """Tensors a checkpoint may hold or leave out (a block's defaults then apply), with shapes."""
+    block = arch.block(cfg)
+    if block is None:
+        return {}
+    N = arch.names(cfg)
+    return {n: s for i in range(cfg.num_layers) for n, s in block.optional(N["layer"].format(i=i)).items()}
+
+
 def open_model(path: str | Path) -> OpenedModel:
     """Read and validate a checkpoint directory or a GGUF file; nothing is loaded into memory yet."""
     path = Path(path)
@@ -186,9 +198,14 @@ def open_model(path: str | Path) -> OpenedModel:
         if got != shape:
             raise ExpertCacheError(f"{ckpt.info(name).file}: tensor {name!r} has shape {list(got)}, "
                                    f"expected {list(shape)}")
+    optional = optional_shapes(cfg, arch)
+    for name, shape in optional.items():
+        if name in ckpt and ckpt.info(name).shape != shape:
+            raise ExpertCacheError(f"{ckpt.info(name).file}: tensor {name!r} has shape {list(ckpt.info(name).shape)}, "
+                                   f"expected {list(shape)}")
     skipped = 0
     for name in ckpt.tensors:
-        if name in expected or name.endswith(IGNORED_SUFFIXES):
+        if name in expected or name in optional or name.endswith(IGNORED_SUFFIXES):
             continue
         if name.startswith(arch.skipped_prefixes):
             skipped += 1
@@ -225,6 +242,7 @@ def load_dense(m: OpenedModel, device: torch.device, dtype: torch.dtype) -> Dens
     embed = get(N["embed"])
     lm_head = embed if cfg.tie_word_embeddings else get(N["lm_head"])
     layers = []
+    block = m.arch.block(cfg)
     for i, mixer in enumerate(m.arch.mixers(cfg)):
         p = N["layer"].format(i=i)
         lw = LayerWeights(norm(p + N["input_norm"]), norm(p + N["post_norm"]), mixer.load(p, reader), mixer)
@@ -235,5 +253,8 @@ def load_dense(m: OpenedModel, device: torch.device, dtype: torch.dtype) -> Dens
                 lw.shared_gate = get(p + N["shared_gate"])
         else:
             lw.dense = mlp(p + N["mlp"])
+        if block is not None:
+            lw.block, lw.block_w = block, block.load(p, reader)
         layers.append(lw)
-    return DenseWeights(embed, norm(N["norm"]), lm_head, layers, m.arch.unit_offset_norms)
+    return DenseWeights(embed, norm(N["norm"]), lm_head, layers, m.arch.unit_offset_norms,
+                        **m.arch.dense_options(cfg))

@@ -44,6 +44,8 @@ class Mixer:
     kind: ClassVar[str] = ""
     recurrent: ClassVar[bool] = False  # holds a DeltaNetState per sequence instead of keys and values
     rotary_dim: int | None = None      # the rotated dims of a head, for mixers that use positions
+    # (key/value heads, head dim) of its KV cache where they differ from the config's; None: the config's
+    kv_shape: tuple[int, int] | None = None
 
     def shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         """Every tensor this mixer reads from a checkpoint, by full name, with its shape."""

@@ -53,11 +53,11 @@ def route(k: Kernels, x: torch.Tensor, router: torch.Tensor, top_k: int, normali
 
 
 def moe_experts(k: Kernels, x: torch.Tensor, routing: Routing, provider: ExpertProvider,
-                layer: int) -> torch.Tensor:
+                layer: int, act: str = "silu") -> torch.Tensor:
     T, D = x.shape
     A = routing.ids.shape[1]
     if T == 1:
-        return _moe_one_token(k, x, routing, provider, layer)
+        return _moe_one_token(k, x, routing, provider, layer, act)
     flat = routing.ids.reshape(-1)                              # [T*A]
     order = torch.argsort(flat, stable=True)                    # [T*A] rows grouped by expert id
     used_t, counts_t = torch.unique_consecutive(flat[order], return_counts=True)
@@ -72,7 +72,7 @@ def moe_experts(k: Kernels, x: torch.Tensor, routing: Routing, provider: ExpertP
     for wave in provider.acquire(layer, used):
         for e, w in wave:
             a, b = start[e]
-            ys[a:b] = k.expert(xs[a:b], w)                      # [n, D]
+            ys[a:b] = k.expert(xs[a:b], w, act)                 # [n, D]
     out = torch.empty_like(ys)
     out[order] = ys                                             # [T*A, D] by token, then rank
     # The weighted sum over ranks as one batched product, [T, 1, A] x [T, A, D], accumulated in
@@ -82,20 +82,20 @@ def moe_experts(k: Kernels, x: torch.Tensor, routing: Routing, provider: ExpertP
 
 
 def _moe_one_token(k: Kernels, x: torch.Tensor, routing: Routing, provider: ExpertProvider,
-                   layer: int) -> torch.Tensor:
+                   layer: int, act: str = "silu") -> torch.Tensor:
     """The decode step: one token, so no grouping of rows; the same fixed-order combine."""
     ranked = routing.ids[0].tolist()                               # expert ids in router-rank order
     ys: dict[int, torch.Tensor] = {}
     for wave in provider.acquire(layer, sorted(ranked)):
         # The whole wave in one call where the kernels have one; each expert's row is what it
         # would be alone, so the result does not depend on the waves.
-        yw = k.experts_one_row(x, wave)                            # [n, D] or None
+        yw = k.experts_one_row(x, wave, act)                       # [n, D] or None
         if yw is not None:
             for j, (e, _) in enumerate(wave):
                 ys[e] = yw[j: j + 1]
             continue
         for e, w in wave:
-            ys[e] = k.expert(x, w)                                 # [1, D]
+            ys[e] = k.expert(x, w, act)                            # [1, D]
     out = torch.cat([ys[e] for e in ranked])                       # [A, D] in rank order
     w = routing.weights.to(out.dtype)                              # [1, A]
     # As a matrix-vector product over the A outputs: `linear` takes the BLAS path for one bf16

@@ -1,0 +1,197 @@
+"""Gemma 4 with the MoE block (`enable_moe_block`): sliding-window and full attention layers
+(`layer_types`; full layers with their own head dim and, with `attention_k_eq_v`, their own
+key/value heads and no v_proj), proportional RoPE on full layers, and per layer a dense GeGLU MLP
+beside the routed experts (`parallel_ffn.py`). Norms scale by w, in fp32; embeddings are scaled
+by sqrt(D), the LM head is tied and the logits soft-capped.
+
+The published checkpoints are multimodal (`gemma4`): the text config sits in `text_config` and
+the text weights under `model.language_model.`, beside vision and audio towers, skipped. A
+text-only checkpoint (`gemma4_text`, Gemma4ForCausalLM) keeps the usual `model.layers.` names.
+
+Per-layer-input embeddings and key/value sharing between layers are not implemented: a config
+that asks for them is refused, naming the key. A key the config leaves out is not such a request
+(transformers' class defaults `hidden_size_per_layer_input` to 256, which a MoE checkpoint never
+uses).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ..config import HIDDEN_ACTS, ModelConfig
+from ..errors import ExpertCacheError
+from .arch import HF_TENSOR_NAMES, Architecture, ExpertLayout
+from .mixers import Mixer
+from .parallel_ffn import ParallelFFN
+from .sliding_attention import SlidingAttention, SlidingAttentionConfig, gemma_rms_norm
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+_NAMES = {**HF_TENSOR_NAMES, "post_norm": "pre_feedforward_layernorm.weight"}
+_WRAPPED_NAMES = {**_NAMES, "layer": "model.language_model.layers.{i}.",
+                  "embed": "model.language_model.embed_tokens.weight",
+                  "norm": "model.language_model.norm.weight"}
+
+GEMMA4_LAYOUTS = (ExpertLayout("fused", router="router.proj.weight", gate_up="experts.gate_up_proj",
+                               down="experts.down_proj"),)
+
+# Options this engine does not run, with the value that means "off".
+_UNSUPPORTED = (("hidden_size_per_layer_input", 0), ("num_kv_shared_layers", 0))
+
+
+@dataclass(frozen=True, slots=True)
+class Gemma4Config(ModelConfig):
+    """`ModelConfig` plus what only this family has. `num_kv_heads`, `head_dim` describe the
+    sliding layers; `full` the full layers' attention, `sliding` the sliding layers'."""
+
+    layer_types: tuple[str, ...] = ()
+    sliding: SlidingAttentionConfig | None = None
+    full: SlidingAttentionConfig | None = None
+    final_logit_softcapping: float | None = None
+    wrapped: bool = False
+
+
+def default_layer_types(layers: int) -> tuple[str, ...]:
+    """transformers' default: five sliding layers to one full, the last layer always full."""
+    types = [SLIDING if (i + 1) % 6 else FULL for i in range(layers)]
+    return tuple(types[:-1] + [FULL]) if types else ()
+
+
+class Gemma4(Architecture):
+    model_types = ("gemma4", "gemma4_text")
+    expert_layouts = GEMMA4_LAYOUTS
+    norm_topk_prob = True
+    qkv_bias = False
+    tensor_names = _NAMES
+    sliding_window_switch = None
+    skipped_prefixes = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+
+    @classmethod
+    def _from_hf(cls, raw: dict) -> Gemma4Config:
+        wrapped = "text_config" in raw
+        text = raw["text_config"] if wrapped else raw
+        if not isinstance(text, dict):
+            raise ExpertCacheError(f"text_config: expected a JSON object, got {type(text).__name__}")
+        merged = {**{k: v for k, v in raw.items() if k not in ("text_config", "vision_config", "audio_config")},
+                  **text}
+        for key, off in _UNSUPPORTED:
+            if merged.get(key) not in (None, off):
+                raise ExpertCacheError(f"{key} {merged[key]!r} is not supported (expected {off}: per-layer "
+                                       "input embeddings and key/value sharing between layers are not implemented)")
+        if not merged.get("enable_moe_block"):
+            raise ExpertCacheError(f"enable_moe_block {merged.get('enable_moe_block')!r}: expected true "
+                                   "(only Gemma 4 models with the MoE block are supported)")
+        if merged.get("attention_bias"):
+            raise ExpertCacheError(f"attention_bias {merged['attention_bias']!r} is not supported (expected false)")
+        if merged.get("use_bidirectional_attention") == "all":
+            raise ExpertCacheError("use_bidirectional_attention 'all' is not supported (expected null or 'vision')")
+        for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+            if merged.get(key) is None:
+                raise KeyError(key)
+        act = merged.get("hidden_activation", merged.get("hidden_act", "gelu_pytorch_tanh"))
+        if act not in HIDDEN_ACTS:
+            raise ExpertCacheError(f"hidden_activation {act!r} is not supported: expected "
+                                   f"{' or '.join(repr(a) for a in HIDDEN_ACTS)}")
+        layers = merged.get("num_hidden_layers", 30)
+        types = merged.get("layer_types") or default_layer_types(layers if isinstance(layers, int) else 0)
+        if not isinstance(types, (list, tuple)) or len(types) != layers:
+            raise ExpertCacheError(f"layer_types {types!r}: expected a list of {layers} layer types")
+        # transformers makes the last layer full whatever the config says (with a warning).
+        types = tuple(types[:-1]) + (FULL,) if types else ()
+        for i, t in enumerate(types):
+            if t not in (SLIDING, FULL):
+                raise ExpertCacheError(f"unsupported layer type {t!r} (layer {i} of layer_types): expected "
+                                       f"{SLIDING} or {FULL}")
+        rope = merged.get("rope_parameters") or {}
+        sliding_rope = rope.get(SLIDING) or {"rope_type": "default", "rope_theta": 10_000.0}
+        full_rope = rope.get(FULL) or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                       "rope_theta": 1_000_000.0}
+        # transformers' class defaults for what a saved config may leave out.
+        base_raw = {"max_position_embeddings": 131_072, "head_dim": 256, "num_attention_heads": 8,
+                    "num_key_value_heads": 4, "sliding_window": 512, "tie_word_embeddings": True,
+                    "intermediate_size": 9216, "eos_token_id": 1, "bos_token_id": 2, **merged,
+                    "num_experts_per_tok": merged["top_k_experts"], "hidden_act": act,
+                    "rope_parameters": None, "rope_scaling": None, "rope_theta": 10_000.0}
+        base = super()._from_hf(base_raw)
+        heads, eps = base.num_heads, base.rms_norm_eps
+        full_head, full_kv = _full_attention_shape(merged, types, base)
+        sliding = SlidingAttentionConfig(heads, base.num_kv_heads, base.head_dim,
+                                         float(_rope(sliding_rope, SLIDING)), 1.0, base.sliding_window,
+                                         False, eps)
+        full = SlidingAttentionConfig(heads, full_kv, full_head, float(_rope(full_rope, FULL)),
+                                      float(full_rope.get("partial_rotary_factor", 1.0)), None,
+                                      bool(merged.get("attention_k_eq_v", False)), eps)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
+        fields["intermediate_size"] = base_raw["intermediate_size"]
+        fields["model_type"] = raw.get("model_type") if raw.get("model_type") in cls.model_types else base.model_type
+        cap = merged.get("final_logit_softcapping")
+        return Gemma4Config(**fields, layer_types=tuple(types), sliding=sliding, full=full,
+                            final_logit_softcapping=float(cap) if cap else None, wrapped=wrapped)
+
+    @classmethod
+    def names(cls, cfg: ModelConfig) -> dict[str, str]:
+        return _WRAPPED_NAMES if getattr(cfg, "wrapped", False) else cls.tensor_names
+
+    @classmethod
+    def mixers(cls, cfg: ModelConfig) -> tuple[Mixer, ...]:
+        if not isinstance(cfg, Gemma4Config):
+            raise ExpertCacheError(f"{cfg.model_type}: the layer types and attention shapes are unknown; "
+                                   "expected a Hugging Face checkpoint (config.json)")
+        by_type = {SLIDING: SlidingAttention(cfg.sliding, cfg.hidden_size),
+                   FULL: SlidingAttention(cfg.full, cfg.hidden_size)}
+        return tuple(by_type[t] for t in cfg.layer_types)
+
+    @classmethod
+    def block(cls, cfg: ModelConfig) -> ParallelFFN:
+        return ParallelFFN(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k, cfg.hidden_act,
+                           cfg.rms_norm_eps)
+
+    @classmethod
+    def dense_options(cls, cfg: ModelConfig) -> dict:
+        return {"rms_norm": gemma_rms_norm, "embed_scale": math.sqrt(cfg.hidden_size),
+                "logit_softcap": getattr(cfg, "final_logit_softcapping", None)}
+
+
+def _rope(params: dict, kind: str) -> float:
+    allowed = ("default",) if kind == SLIDING else ("default", "proportional")
+    t = params.get("rope_type", "default")
+    if t not in allowed:
+        raise ExpertCacheError(f"rope_parameters.{kind}.rope_type {t!r}: expected {' or '.join(allowed)}")
+    if params.get("factor", 1.0) != 1.0:
+        raise ExpertCacheError(f"rope_parameters.{kind}.factor {params['factor']!r}: expected 1.0")
+    return params.get("rope_theta", 10_000.0 if kind == SLIDING else 1_000_000.0)
+
+
+def _full_attention_shape(raw: dict, types, base: ModelConfig) -> tuple[int, int]:
+    """(head dim, key/value heads) of the full layers: from `per_layer_config` (transformers 5.24
+    writes it, leaving out layers of the shared shape), else `global_head_dim` (512 when absent, as transformers) and, with
+    `attention_k_eq_v` only, `num_global_key_value_heads`."""
+    per_layer = raw.get("per_layer_config")
+    if per_layer is not None and not isinstance(per_layer, dict):
+        raise ExpertCacheError(f"per_layer_config {per_layer!r}: expected a JSON object")
+    if per_layer is not None:  # present, even empty: layers it leaves out keep the shared shape
+        shapes = set()
+        for i, t in enumerate(types):
+            o = per_layer.get(str(i), per_layer.get(i)) or {}
+            if not isinstance(o, dict):
+                raise ExpertCacheError(f"per_layer_config[{i}] {o!r}: expected a JSON object")
+            unknown = set(o) - {"head_dim", "num_key_value_heads"}
+            if unknown:
+                raise ExpertCacheError(f"per_layer_config[{i}].{sorted(unknown)[0]} is not supported "
+                                       "(expected head_dim and num_key_value_heads only)")
+            shape = (o.get("head_dim", base.head_dim), o.get("num_key_value_heads", base.num_kv_heads))
+            if t == SLIDING and shape != (base.head_dim, base.num_kv_heads):
+                raise ExpertCacheError(f"per_layer_config[{i}] {o!r}: a sliding layer with its own shape is "
+                                       "not supported")
+            if t == FULL:
+                shapes.add(shape)
+        if len(shapes) > 1:
+            raise ExpertCacheError(f"per_layer_config: full layers of different shapes {sorted(shapes)}; "
+                                   "expected one")
+        if shapes:
+            return shapes.pop()
+    head = raw.get("global_head_dim") or 512
+    kv = raw.get("num_global_key_value_heads") if raw.get("attention_k_eq_v") else None
+    return head, kv or base.num_kv_heads

@@ -1,0 +1,220 @@
+"""Gemma 4 with the MoE block (sliding-window and full attention, k-eq-v, proportional RoPE, a
+dense GeGLU MLP beside the experts) against transformers, on tiny random checkpoints saved as
+real ones: text-only (Gemma4ForCausalLM) and multimodal (Gemma4ForConditionalGeneration, whose
+vision tower is skipped); cache modes and errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+
+import expertcache
+from conftest import VOCAB, assert_one_line_error, run_cli, save_checkpoint
+from expertcache.config import CacheConfig
+from expertcache.errors import ExpertCacheError
+from test_parity import check_greedy_against_reference, ids_of
+
+S, F = "sliding_attention", "full_attention"
+WINDOW = 16
+
+
+def text_config(layer_types=(S, F, S, S, F), **over) -> dict:
+    c = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=len(layer_types),
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+             num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=WINDOW,
+             layer_types=list(layer_types), enable_moe_block=True, num_experts=8, top_k_experts=2,
+             moe_intermediate_size=16, hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
+             max_position_embeddings=1024, rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, pad_token_id=0)
+    c.update(over)
+    return c
+
+
+VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=16, pooling_kernel_size=1)
+
+
+def build(wrapped: bool = False, seed: int = 0, **opts):
+    """A random reference model, widened so that every term matters (norm weights, router and
+    expert scales around 1, the layer scalar not 1)."""
+    tf.utils.logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    tc = text_config(**opts)
+    if wrapped:
+        model = tf.Gemma4ForConditionalGeneration(tf.Gemma4Config(text_config=tc, vision_config=VISION))
+    else:
+        model = tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(**tc))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("scale"):
+                p.normal_(1.0, 0.2)
+            elif p.ndim >= 2:
+                p.normal_(0.0, 0.09)
+            else:
+                p.normal_(0.0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.7, 1.3)
+    return model.float().eval()
+
+
+@pytest.fixture
+def gemma4(tmp_path):
+    """Factory: (wrapped=, seed=, **config options) -> (reference, checkpoint dir)."""
+
+    made = []
+
+    def make(wrapped: bool = False, seed: int = 0, **opts):
+        ref = build(wrapped, seed, **opts)
+        made.append(seed)
+        d = save_checkpoint(ref, tmp_path / f"g4-{'wrap' if wrapped else 'text'}-{seed}-{len(made)}", fused=True)
+        return ref, d
+
+    return make
+
+
+def ref_logits(ref, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return ref(input_ids=ids[None], use_cache=False).logits[0].float()
+
+
+CASES = [
+    pytest.param({}, id="k-eq-v-hd16-hd32"),
+    pytest.param({"attention_k_eq_v": False}, id="separate-v-hd16-hd32"),
+    pytest.param({"attention_k_eq_v": False, "global_head_dim": 16, "layer_types": (S, F, S, S, S, F)},
+                 id="separate-v-same-head-dim"),
+    pytest.param({"wrapped": True}, id="multimodal"),
+]
+
+
+@pytest.mark.parametrize("opts", CASES)
+def test_logits_match_transformers(gemma4, capsys, opts):
+    ref, d = gemma4(**opts)
+    capsys.readouterr()
+    model = expertcache.load(d)
+    notice = capsys.readouterr().err
+    if opts.get("wrapped"):
+        assert notice.count("\n") == 1 and "skipping" in notice and "model.vision_tower.*" in notice, notice
+    else:
+        assert notice == ""
+    layers = model.net.weights.layers
+    full = [lw for lw in layers if lw.mixer.kind == F]
+    assert full and all(lw.mixer.cfg.head_dim == (32 if "global_head_dim" not in opts else 16) for lw in full)
+    k_eq_v = opts.get("attention_k_eq_v", True)
+    assert all(lw.mixer.cfg.k_eq_v == k_eq_v and lw.mixer.cfg.kv_heads == (1 if k_eq_v else 2) for lw in full)
+    for n in (1, 7, 64, 3 * WINDOW + 5):
+        ids = ids_of(n)
+        expected = ref_logits(ref, ids)
+        assert expected.abs().max() > 1.0
+        torch.testing.assert_close(model.logits(ids), expected, atol=1e-4, rtol=0)
+
+
+def test_the_window_changes_the_logits(gemma4):
+    """The sliding window is really applied: with it wider than the prompt the logits differ."""
+    ref, d = gemma4(seed=4)
+    ids = ids_of(3 * WINDOW, seed=3)
+    wide, _ = gemma4(seed=4, sliding_window=1000)
+    assert (ref_logits(wide, ids)[-1] - ref_logits(ref, ids)[-1]).abs().max() > 1e-2
+    torch.testing.assert_close(expertcache.load(d).logits(ids), ref_logits(ref, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("opts", [CASES[0], CASES[1]])
+def test_stepwise_decode_beyond_the_window_matches_one_forward(gemma4, opts):
+    ref, d = gemma4(seed=1, **opts)
+    model = expertcache.load(d)
+    ids = ids_of(4 * WINDOW + 7, seed=2).tolist()
+    full = model.logits(ids)
+    torch.testing.assert_close(full, ref_logits(ref, torch.tensor(ids)), atol=1e-4, rtol=0)
+    session = model.new_session()
+    steps = [model.prefill(session, ids[:WINDOW + 3], ubatch=7, all_logits=True)]
+    steps += [model.prefill(session, [t], all_logits=True) for t in ids[WINDOW + 3:]]
+    torch.testing.assert_close(torch.cat(steps), full, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("opts", [CASES[0], CASES[3]])
+def test_greedy_generation_matches_transformers(gemma4, opts):
+    ref, d = gemma4(seed=3, **opts)
+    model = expertcache.load(d)
+    compared = check_greedy_against_reference(ref, model, ids_of(12, seed=5).tolist())
+    assert compared >= 16, "too many near-ties to make the comparison meaningful"
+
+
+CACHES = [CacheConfig(mode="staging"), CacheConfig(experts=3), CacheConfig(experts=3, policy="lru"),
+          CacheConfig(experts=5, store="disk")]
+
+
+def test_logits_bitwise_equal_in_every_cache_mode(gemma4):
+    _, d = gemma4(seed=5)
+    ids = ids_of(60, seed=4).tolist()
+
+    def run(cache):
+        model = expertcache.load(d, cache=cache)
+        s = model.new_session()
+        out = [model.prefill(s, ids[:40], ubatch=16, all_logits=True)]
+        out += [model.prefill(s, [t], all_logits=True) for t in ids[40:]]
+        gen = model.generate(ids[:10], max_tokens=12, ignore_eos=True).token_ids
+        return torch.cat(out), gen, model.telemetry()
+
+    resident, gen, _ = run(CacheConfig(mode="resident"))
+    for cache in CACHES:
+        logits, tokens, tel = run(cache)
+        assert torch.equal(logits, resident), cache
+        assert tokens == gen, cache
+        assert tel["total"]["copied_experts"] > 0, cache  # the slow tier was really used
+
+
+def test_run_and_info_on_the_multimodal_checkpoint(gemma4, capsys):
+    _, d = gemma4(wrapped=True)
+    code, err = run_cli(capsys, "run", "-m", str(d), "-p", "w1 w2 w3", "-n", "4")
+    assert code == 0, err
+    code, err = run_cli(capsys, "info", "-m", str(d), "--json")
+    assert code == 0, err
+
+
+def _edit_config(d, wrapped: bool = False, **change):
+    raw = json.loads((d / "config.json").read_text())
+    target = raw["text_config"] if wrapped else raw
+    for k, v in change.items():
+        if v is None:
+            target.pop(k, None)
+        else:
+            target[k] = v
+    (d / "config.json").write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("hidden_size_per_layer_input", 256, "hidden_size_per_layer_input 256"),
+    ("num_kv_shared_layers", 2, "num_kv_shared_layers 2"),
+    ("hidden_activation", "relu2", "hidden_activation 'relu2'"),
+    ("enable_moe_block", False, "enable_moe_block False"),
+])
+def test_unsupported_options_are_one_line_errors(gemma4, capsys, key, value, needle):
+    _, d = gemma4()
+    _edit_config(d, **{key: value})
+    with pytest.raises(ExpertCacheError, match=needle):
+        expertcache.load(d)
+    assert_one_line_error(*run_cli(capsys, "run", "-m", str(d), "-p", "w1"), needle, "config.json")
+
+
+def test_absent_keys_are_not_requests_for_their_class_defaults(gemma4):
+    """transformers' class defaults hidden_size_per_layer_input to 256; a config without the key
+    (or with null) is a model without per-layer inputs, here and in the reference."""
+    ref, d = gemma4(seed=7)
+    _edit_config(d, hidden_size_per_layer_input=None, num_kv_shared_layers=None, use_double_wide_mlp=None)
+    ids = ids_of(20)
+    torch.testing.assert_close(expertcache.load(d).logits(ids), ref_logits(ref, ids), atol=1e-4, rtol=0)
+
+
+def test_global_head_dim_keys_without_per_layer_config(gemma4):
+    """Other writers give the full layers' shape as global_head_dim / num_global_key_value_heads;
+    the key/value-head override applies only with attention_k_eq_v."""
+    ref, d = gemma4(seed=8)
+    _edit_config(d, per_layer_config=None, global_head_dim=32, num_global_key_value_heads=1)
+    ids = ids_of(30)
+    torch.testing.assert_close(expertcache.load(d).logits(ids), ref_logits(ref, ids), atol=1e-4, rtol=0)
+    _, d2 = gemma4(seed=8, attention_k_eq_v=False)
+    _edit_config(d2, per_layer_config=None, global_head_dim=32, num_global_key_value_heads=1)
+    full = [lw.mixer.cfg for lw in expertcache.load(d2).net.weights.layers if lw.mixer.kind == F]
+    assert all(c.kv_heads == 2 and c.head_dim == 32 and not c.k_eq_v for c in full)
