@@ -218,3 +218,78 @@ def test_global_head_dim_keys_without_per_layer_config(gemma4):
     _edit_config(d2, per_layer_config=None, global_head_dim=32, num_global_key_value_heads=1)
     full = [lw.mixer.cfg for lw in expertcache.load(d2).net.weights.layers if lw.mixer.kind == F]
     assert all(c.kv_heads == 2 and c.head_dim == 32 and not c.k_eq_v for c in full)
+
+
+def test_sliding_layers_keep_only_the_window(gemma4):
+    """After a prompt of four windows, a sliding layer's keys and values are a ring of W
+    positions; the full layers hold every position."""
+    ref, d = gemma4(seed=9)
+    model = expertcache.load(d)
+    ids = ids_of(4 * WINDOW + 7, seed=10).tolist()
+    s = model.new_session()
+    model.prefill(s, ids, ubatch=12)
+    kv = s.kv
+    layers = model.net.weights.layers
+    sliding = [i for i, lw in enumerate(layers) if lw.mixer.kind == S]
+    full = [i for i, lw in enumerate(layers) if lw.mixer.kind == F]
+    assert sliding and full
+    for i in sliding:
+        assert i not in kv.k and tuple(kv.rings[i].k.shape) == (2, WINDOW, 16)
+        assert sorted(kv.rings[i].pos.tolist()) == list(range(len(ids) - WINDOW, len(ids)))
+    for i in full:
+        assert kv.k[i].shape[0] == 1 and kv.k[i].shape[2] == 32 and kv.k[i].shape[1] >= len(ids)
+    # and it still decodes as one full forward
+    follow = ids_of(WINDOW + 3, seed=11).tolist()
+    steps = torch.cat([model.prefill(s, [t], all_logits=True) for t in follow])
+    torch.testing.assert_close(steps, ref_logits(ref, torch.tensor(ids + follow))[len(ids):], atol=1e-4, rtol=0)
+
+
+def test_truncate_across_the_window_restores_a_snapshot(gemma4):
+    _, d = gemma4(seed=12)
+    model = expertcache.load(d)
+    ids = ids_of(5 * WINDOW, seed=13).tolist()
+    s = model.new_session()
+    model.prefill(s, ids[:4 * WINDOW], ubatch=20)
+    kv = s.kv
+    assert [snap.position for snap in kv.snapshots] == [20, 40, 60, 64]
+    fresh = model.logits(ids)
+    for n, kept in ((63, 63), (62, 60), (45, 40), (10, 0)):
+        c = s.copy()
+        assert c.kv.truncate(n) == kept, n
+        del c.tokens[kept:]
+        out = model.prefill(c, ids[kept:], all_logits=True)
+        torch.testing.assert_close(out, fresh[kept:], atol=1e-4, rtol=0)
+    # the original is untouched by what its copies did
+    torch.testing.assert_close(model.prefill(s, ids[4 * WINDOW:], all_logits=True), fresh[4 * WINDOW:],
+                               atol=1e-4, rtol=0)
+
+
+def test_generate_after_a_prefix_that_left_the_window_matches_fresh(gemma4):
+    _, d = gemma4(seed=14)
+    model = expertcache.load(d)
+    s = model.new_session()
+    prompt = ids_of(3 * WINDOW, seed=15).tolist()
+    first = model.generate(prompt, max_tokens=WINDOW + 4, session=s, ignore_eos=True)
+    edited = prompt + first.token_ids[:2] + [7, 8, 9]  # diverges more than a window before the end
+    again = model.generate(edited, max_tokens=10, session=s, ignore_eos=True)
+    assert again.cached_tokens == len(prompt)  # the snapshot at the prompt's end
+    assert again.token_ids == model.generate(edited, max_tokens=10, ignore_eos=True).token_ids
+
+
+def test_a_failed_forward_is_restored_by_truncate(gemma4):
+    _, d = gemma4(seed=16)
+    model = expertcache.load(d)
+    ids = ids_of(3 * WINDOW, seed=17).tolist()
+    s = model.new_session()
+    model.prefill(s, ids[:2 * WINDOW])
+    layers = model.net.weights.layers
+    router = layers[2].router
+    layers[2].router = router[:, :3]  # layer 2's MoE fails after layers 0-2 wrote their keys
+    with pytest.raises(RuntimeError):
+        model.prefill(s, ids[2 * WINDOW:])
+    layers[2].router = router
+    with pytest.raises(ExpertCacheError, match="incomplete after a failed forward"):
+        model.prefill(s, ids[2 * WINDOW:])
+    assert s.kv.truncate(2 * WINDOW) == 2 * WINDOW
+    torch.testing.assert_close(model.prefill(s, ids[2 * WINDOW:], all_logits=True),
+                               model.logits(ids)[2 * WINDOW:], atol=1e-4, rtol=0)

@@ -24,6 +24,7 @@ from .layers import KVCache, MLPWeights, Rotary
 from .mixers import Mixer
 from .moe import ExpertProvider, Routing, moe_experts, route
 from .state import MAX_SNAPSHOTS, SNAPSHOT_EVERY, SequenceState
+from .window_cache import WindowKVCache
 
 
 @dataclass(slots=True)
@@ -89,13 +90,20 @@ class Decoder:
         self.timer: StepTimer | None = None
 
     def new_kv(self, max_len: int) -> KVCache:
-        """A fresh sequence state: keys and values for the attention layers, and a recurrent
-        state (with snapshots, `state.py`) where some layers are recurrent."""
+        """A fresh sequence state: keys and values for the attention layers (a ring with
+        snapshots for sliding-window layers, `window_cache.py`), and a recurrent state (with
+        snapshots, `state.py`) where some layers are recurrent."""
         layers = self.weights.layers
         recurrent = {i: lw.mixer.new_state(self.device, self.dtype) for i, lw in enumerate(layers)
                      if lw.mixer.recurrent}
         attention = [i for i, lw in enumerate(layers) if not lw.mixer.recurrent]
         shapes = {i: lw.mixer.kv_shape for i, lw in enumerate(layers) if lw.mixer.kv_shape is not None}
+        windows = {i: lw.mixer.window for i, lw in enumerate(layers) if lw.mixer.window is not None}
+        if windows:
+            if recurrent:
+                raise ExpertCacheError("a model with both recurrent and sliding-window layers is not supported")
+            return WindowKVCache(self.cfg, max_len, self.device, self.dtype, attention, shapes, windows,
+                                 self.snapshot_every, self.max_snapshots)
         if not recurrent:
             return KVCache(self.cfg, max_len, self.device, self.dtype, attention, shapes)
         return SequenceState(self.cfg, max_len, self.device, self.dtype, attention, recurrent,

@@ -100,6 +100,13 @@ class KVCache:
         self.v[layer][:, self.length:end].copy_(v)
         return self.k[layer][:, :end], self.v[layer][:, :end]
 
+    def append_window(self, layer: int, k: torch.Tensor, v: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As `append`, plus the keys' positions [P+T] (a ring's keys are not in order:
+        `window_cache.WindowKVCache`)."""
+        keys, values = self.append(layer, k, v)
+        return keys, values, torch.arange(keys.shape[1], device=k.device)
+
     def begin(self, n: int) -> None:
         """A forward of n tokens starts (a hook for state that is not truncatable)."""
 

@@ -46,6 +46,9 @@ class Mixer:
     rotary_dim: int | None = None      # the rotated dims of a head, for mixers that use positions
     # (key/value heads, head dim) of its KV cache where they differ from the config's; None: the config's
     kv_shape: tuple[int, int] | None = None
+    # Attends only to the last `window` positions: its keys and values kept in a ring
+    # (`window_cache.py`); None: all positions
+    window: int | None = None
 
     def shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         """Every tensor this mixer reads from a checkpoint, by full name, with its shape."""

@@ -9,7 +9,7 @@ post-attention norm is applied here, to the attention output, before the residua
 - Proportional RoPE (full layers): frequencies over the whole head with only the first
   `rotary_factor * Dh / 2` non-zero, rotate-half over the whole head.
 
-Keys and values are kept whole (no ring): a sliding layer's cache grows like a full layer's.
+A sliding layer keeps only the last W positions' keys and values (`window_cache.py`).
 
 T = tokens in this call, P = tokens already in the KV cache, D = hidden size,
 H = query heads, G = key/value heads, Dh = head dim.
@@ -90,6 +90,7 @@ class SlidingAttention(Mixer):
         self.cfg, self.hidden = cfg, hidden
         self.kind = "sliding_attention" if cfg.window is not None else "full_attention"
         self.kv_shape = (cfg.kv_heads, cfg.head_dim)
+        self.window = cfg.window
         self._tables: dict[tuple, _Table] = {}
 
     def shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -142,14 +143,14 @@ def sliding_attention(kern: Kernels, mixer: SlidingAttention, w: SlidingAttentio
     q = apply_rotary(gemma_rms_norm(q.view(T, H, Dh), w.q_norm, eps).transpose(0, 1), cos, sin)  # [H, T, Dh]
     k = apply_rotary(gemma_rms_norm(k.view(T, G, Dh), w.k_norm, eps).transpose(0, 1), cos, sin)  # [G, T, Dh]
     v = gemma_rms_norm(v.view(T, G, Dh), None, eps).transpose(0, 1)                              # [G, T, Dh]
-    keys, values = kv.append(layer, k, v)                                     # [G, P+T, Dh]
+    keys, values, kpos = kv.append_window(layer, k, v)                       # [G, N, Dh] x2, [N]
     R = H // G
     if R > 1:
-        keys = keys.repeat_interleave(R, dim=0)                               # [H, P+T, Dh]
-        values = values.repeat_interleave(R, dim=0)                           # [H, P+T, Dh]
+        keys = keys.repeat_interleave(R, dim=0)                               # [H, N, Dh]
+        values = values.repeat_interleave(R, dim=0)                           # [H, N, Dh]
     qpos = torch.arange(P, P + T, device=x.device)[:, None]                   # [T, 1]
-    kpos = torch.arange(P + T, device=x.device)[None, :]                      # [1, P+T]
-    allowed = kpos <= qpos                                                    # [T, P+T]
+    kpos = kpos[None, :]                                                      # [1, N]
+    allowed = (kpos <= qpos) & (kpos >= 0)                                    # [T, N]
     if cfg.window is not None:
         allowed &= kpos > qpos - cfg.window
     out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed,
