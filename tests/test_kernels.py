@@ -199,7 +199,7 @@ def test_native_decode_is_close_to_torch_and_takes_the_native_path(checkpoint, n
     # One decode step, per layer: the q/k/v, o and router products, attention, the experts and
     # two norms; then the final norm and the lm head.
     assert calls == {"gemv": 3 * 3 + 1, "experts": 3, "attend": 3, "rms_norm": 3 * 2 + 1}
-    torch_model = expertcache.load(checkpoint)
+    torch_model = expertcache.load(checkpoint, kernels="torch")
     assert torch_model.kernels.native is None
     torch_logits = decode_logits(torch_model)
     scale = torch_logits.float().abs().max()
@@ -207,7 +207,7 @@ def test_native_decode_is_close_to_torch_and_takes_the_native_path(checkpoint, n
 
 
 def test_another_models_kernels_do_not_leak(checkpoint, native_reference):
-    torch_model = expertcache.load(checkpoint)
+    torch_model = expertcache.load(checkpoint, kernels="torch")
     expected = decode_logits(torch_model)
     native_model = expertcache.load(checkpoint, kernels="native")
     assert torch.equal(decode_logits(native_model), native_reference)
@@ -309,3 +309,23 @@ def test_native_decode_tracks_the_reference_in_every_family(tiny_checkpoint, isa
         steps = torch.cat([model.prefill(session, [t], all_logits=True) for t in ids[8:].tolist()])
         errors[choice] = (steps.float() - exact).abs().amax(-1).median().item()
     assert errors["native"] <= 1.5 * errors["torch"] + 1e-2, errors
+
+
+def test_auto_is_native_for_bf16_on_the_cpu_and_torch_otherwise(checkpoint, native_reference, tmp_path):
+    auto = expertcache.load(checkpoint)
+    assert auto.kernels.name == "native"
+    assert torch.equal(decode_logits(auto), native_reference)
+    assert expertcache.load(checkpoint, dtype="float32").kernels.name == "torch"  # the reference path
+
+
+def test_auto_falls_back_to_torch_with_one_notice_when_the_kernels_cannot_build(checkpoint, monkeypatch, capsys):
+    def fail(*a, **k):
+        raise ExpertCacheError("--kernels native: ninja was not found; expected it on PATH")
+
+    monkeypatch.setattr(kernels, "load_native", fail)
+    model = expertcache.load(checkpoint)
+    assert model.kernels.name == "torch"
+    notice = [l for l in capsys.readouterr().err.splitlines() if "using torch's kernels" in l]
+    assert len(notice) == 1 and "ninja" in notice[0]
+    with pytest.raises(ExpertCacheError, match="ninja"):
+        expertcache.load(checkpoint, kernels="native")

@@ -272,13 +272,14 @@ def default_model_path() -> Path:
 
 def load(path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
          dtype: str | torch.dtype | None = None, cache: CacheConfig | None = None,
-         ctx_size: int | None = None, threads: int | None = None, kernels: str = "torch",
+         ctx_size: int | None = None, threads: int | None = None, kernels: str = "auto",
          tokenizer: str | os.PathLike | None = None) -> Model:
     """Load a Hugging Face MoE checkpoint directory or a GGUF file (the bundled model when `path`
     is None). `tokenizer` names a directory with a tokenizer.json to use instead of the model's.
 
-    `threads` sets torch's CPU threads (None leaves them as they are). `kernels="native"` runs a
-    bf16 decode step on the CPU through the native kernels (see `kernels`). Every argument is
+    `threads` sets torch's CPU threads (None leaves them as they are). `kernels`: "auto" (native
+    kernels for a bf16 model on the CPU where they build, torch's otherwise), "torch" or "native"
+    (see `kernels`). Every argument is
     checked before a weight is read."""
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -334,7 +335,8 @@ def _assemble(path: Path, options: LoadOptions, kernels: Kernels | None,
     opened = open_model(path)
     dtype = options.dtype or opened.cfg.dtype
     if kernels is None:  # before the weights: a bad choice costs nothing
-        kernels = select_kernels(options.kernels, options.device, dtype)
+        quantized = any(opened.experts.format(i).quantized for i in opened.cfg.moe_layers)
+        kernels = select_kernels(options.kernels, options.device, dtype, quantized)
     dense = load_dense(opened, options.device, dtype)
     if experts is None:
         experts = build_experts(opened.experts, options.cache, options.device, dtype)

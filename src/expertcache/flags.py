@@ -38,9 +38,9 @@ def nonneg_int(text: str) -> int:
 
 def add_kernels_flag(p) -> None:
     """`--kernels`, for every command that loads a model (`p` a parser or an argument group)."""
-    p.add_argument("--kernels", choices=KERNELS, default="torch",
-                   help="decode step on the CPU in bf16: torch's kernels, or native ones compiled on first use "
-                        "(faster decode; needs g++ and ninja; results differ from torch's in the last bits)")
+    p.add_argument("--kernels", choices=KERNELS, default="auto",
+                   help="auto (default): the native decode kernels for a bf16 or quantized model on the CPU where "
+                        "they build (compiled on first use; g++ and ninja), torch's otherwise; torch; native")
 
 
 def add_cache_flags(p: argparse.ArgumentParser) -> None:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ..errors import ExpertCacheError
 
-KERNELS = ("torch", "native")
+KERNELS = ("auto", "torch", "native")
 SOURCE = Path(__file__).parent.parent / "native" / "decode.cpp"
 
 _loaded: dict[bool, ModuleType] = {}
@@ -98,7 +98,7 @@ def check_choice(kernels: str, device: torch.device, dtype: torch.dtype) -> None
     """Checks that a kernel choice applies to this device and dtype, before anything is built."""
     if kernels not in KERNELS:
         raise ExpertCacheError(f"kernels {kernels!r} is not one of {', '.join(KERNELS)}")
-    if kernels == "torch":
+    if kernels in ("torch", "auto"):
         return
     if device.type != "cpu":
         raise ExpertCacheError(f"--kernels native runs on the CPU; got device {device}, expected cpu")
@@ -107,10 +107,26 @@ def check_choice(kernels: str, device: torch.device, dtype: torch.dtype) -> None
                                "expected bfloat16 (--dtype bfloat16)")
 
 
-def select(kernels: str, device: torch.device, dtype: torch.dtype) -> Kernels:
-    """The kernel set for a model: torch's, or the native one (built on first use)."""
+def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bool = False) -> Kernels:
+    """The kernel set for a model: torch's, or the native one (built on first use).
+
+    `auto` (the default) is native where it applies and builds: a bf16 model on the CPU (fp32 is
+    the exact reference path and stays on torch, as does every GPU); where the kernels cannot be
+    built (no compiler, no ninja) it says so in one line and uses torch's. `quantized` builds the
+    kernels over quantized blocks too, before any weight is read."""
     check_choice(kernels, device, dtype)
-    return NativeKernels(load_native()) if kernels == "native" else TorchKernels()
+    if kernels == "torch" or (kernels == "auto" and (device.type != "cpu" or dtype != torch.bfloat16)):
+        return TorchKernels()
+    try:
+        chosen = NativeKernels(load_native())
+        if quantized:
+            chosen.quant  # noqa: B018 (built now: a failure belongs to the choice, not to a forward)
+        return chosen
+    except ExpertCacheError as e:
+        if kernels == "native":
+            raise
+        print(f"expertcache: {e}; using torch's kernels (--kernels torch to choose them)", file=sys.stderr, flush=True)
+        return TorchKernels()
 
 
 _REDUCED = (torch.bfloat16, torch.float16)
