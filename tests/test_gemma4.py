@@ -293,3 +293,18 @@ def test_a_failed_forward_is_restored_by_truncate(gemma4):
     assert s.kv.truncate(2 * WINDOW) == 2 * WINDOW
     torch.testing.assert_close(model.prefill(s, ids[2 * WINDOW:], all_logits=True),
                                model.logits(ids)[2 * WINDOW:], atol=1e-4, rtol=0)
+
+
+def test_bf16_error_is_of_the_size_of_transformers_own(gemma4):
+    """bf16 prefill and decode against the fp32 reference: our error is no larger than
+    transformers' own bf16 run's (by more than a margin)."""
+    ref, d = gemma4(seed=3)
+    ids = ids_of(40, seed=2)
+    exact = ref_logits(ref, ids)
+    model = expertcache.load(d, dtype="bfloat16")
+    s = model.new_session()
+    ours = torch.cat([model.prefill(s, ids[:30].tolist(), all_logits=True)]
+                     + [model.prefill(s, [t], all_logits=True) for t in ids[30:].tolist()]).float()
+    theirs = ref_logits(ref.to(torch.bfloat16), ids)
+    ours_err, theirs_err = (ours - exact).abs().mean(), (theirs - exact).abs().mean()
+    assert 0 < ours_err < 1.5 * theirs_err, (ours_err, theirs_err)

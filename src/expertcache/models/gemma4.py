@@ -11,7 +11,8 @@ text-only checkpoint (`gemma4_text`, Gemma4ForCausalLM) keeps the usual `model.l
 Per-layer-input embeddings and key/value sharing between layers are not implemented: a config
 that asks for them is refused, naming the key. A key the config leaves out is not such a request
 (transformers' class defaults `hidden_size_per_layer_input` to 256, which a MoE checkpoint never
-uses).
+uses). `use_double_wide_mlp` widens only the MLPs of layers that share keys and values, which
+are refused, so it changes nothing in a model that loads and is not checked.
 """
 
 from __future__ import annotations
