@@ -35,6 +35,7 @@ class FamilySpec:
     seed: int = 0
     init_std: float = 0.05
     logit_std: float = 3.0
+    save_dtype: str = "bfloat16"  # of model.safetensors
 
 
 # Row lengths (hidden, moe_intermediate_size, heads x head_dim) of qwen3_moe are multiples of 256
@@ -64,6 +65,20 @@ FAMILIES = {
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
         rms_norm_eps=1e-5, max_position_embeddings=4096, sliding_window=None,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), seed=4),
+    # Qwen3.5/3.6-MoE, text only: three DeltaNet layers and one gated attention layer, 2 key heads
+    # for 4 value heads (so that the converter reorders value heads), a shared expert. Rows of 32
+    # (Q8_0's block) and a tied embedding keep the F32 file under 1 MB. Saved in fp32: the
+    # converter adds 1 to the norms and takes -exp(A_log) in the source dtype, which in bf16 would
+    # round them away from what transformers computes.
+    "qwen3_5_moe": FamilySpec("qwen3_5_moe", "qwen3_5_moe_text", dict(
+        hidden_size=32, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
+        seed=5, init_std=0.09, save_dtype="float32"),
 }
 
 
@@ -87,8 +102,16 @@ def build_model(spec: FamilySpec, tokenizer_dir: Path):
     torch.manual_seed(spec.seed)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(spec.seed + 1000)
+    unit_offset = spec.model_type == "qwen3_5_moe_text"  # norms scale by 1 + w, but the gated one
     for name, p in model.named_parameters():
-        if p.ndim == 1 and "norm" in name:
+        if unit_offset and name.endswith("A_log"):
+            p.copy_(torch.linspace(-4.0, 2.5, p.numel()))  # long and short memories
+        elif unit_offset and name.endswith(("conv1d.weight", "dt_bias")):
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        elif unit_offset and "norm" in name and not name.endswith("linear_attn.norm.weight"):
+            # w with 1 + w a bf16 value, so that the converter's 1 + w is exact
+            p.copy_((1.0 + 0.2 * torch.randn(p.shape, generator=gen)).to(torch.bfloat16).float() - 1.0)
+        elif p.ndim == 1 and "norm" in name:
             p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
         elif p.ndim == 1:
             p.copy_(0.02 * torch.randn(p.shape, generator=gen))
@@ -101,10 +124,11 @@ def build_model(spec: FamilySpec, tokenizer_dir: Path):
 
 
 def build_checkpoint(spec: FamilySpec, tokenizer_dir: Path, out_dir: Path) -> Path:
-    """Write the checkpoint of `spec` to `out_dir` (bf16 safetensors + the tokenizer files)."""
+    """Write the checkpoint of `spec` to `out_dir` (safetensors in `spec.save_dtype` + the
+    tokenizer files)."""
     model = build_model(spec, tokenizer_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(out_dir)
+    model.to(getattr(torch, spec.save_dtype)).save_pretrained(out_dir)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tokenizer_dir / name, out_dir / name)
     (out_dir / "generation_config.json").unlink(missing_ok=True)

@@ -4,6 +4,7 @@ on them; or, run again, check the recordings against llama.cpp.
     pip install llama-cpp-python gguf transformers safetensors sentencepiece   # in its own venv
     python tools/make_gguf_fixtures.py --llama-cpp DIR              # check the committed recordings
     python tools/make_gguf_fixtures.py --llama-cpp DIR --rebuild    # build everything again
+    python tools/make_gguf_fixtures.py --llama-cpp DIR --rebuild --family qwen3_5_moe  # one family
     python tools/make_gguf_fixtures.py --llama-cpp DIR --bundled OUTDIR
 
 DIR is a llama.cpp source tree (the one vendored in llama-cpp-python's source distribution,
@@ -15,7 +16,8 @@ the flag is absent.
 checkpoint (seeded, bf16, the bundled model's byte-level BPE tokenizer) in WORK/hf/<family>,
 converts it to F32 with convert_hf_to_gguf.py (naming the pre-tokenizer 'gpt-2' for it), quantizes
 it with llama_model_quantize to every type in QUANTS, and records llama.cpp's outputs for every
-file in WORK. The files listed in COMMITTED (the smallest set whose tensors cover all of
+file in WORK (--family: only those families, the others' committed files left as they are).
+The files listed in COMMITTED (the smallest set whose tensors cover all of
 REQUIRED_TYPES, a few MB) are copied with their recordings to --out. Each recording
 (<name>.json and <name>.npz, see docs/gguf.md) holds llama.cpp's token ids for a held-out slice of
 src/expertcache/assets/heldout.txt, its fp32 logits at every position of PROMPT, and its
@@ -60,7 +62,11 @@ REQUIRED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", 
 QUANTS = {  # family -> llama-quantize types made of it
     "qwen3_moe": ("Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K_M"),
     "qwen2_moe": ("Q8_0", "Q4_K_M"), "olmoe": ("Q8_0", "Q4_K_M"), "mixtral": ("Q8_0", "Q4_K_M"),
+    "qwen3_5_moe": ("Q8_0",),
 }
+# Converter flags per family: the Qwen3.5 converter wants the MTP head, which a text-only
+# checkpoint does not have, unless told to drop it.
+CONVERT_ARGS = {"qwen3_5_moe": ("--no-mtp",)}
 # One qwen3_moe file in which every tensor class carries a different type (llama-quantize
 # --tensor-type), so that one 2-layer model holds all of REQUIRED_TYPES: a Q4_K_M mix with
 # K-quant experts, the 32-element-block types on attention, F16/BF16 on layer 1's attention.
@@ -73,7 +79,24 @@ MIX = {  # llama.cpp takes the first pattern that matches (std::regex_search), h
     r"^blk\.1\.attn_q\.weight$": "Q4_1", r"^blk\.1\.attn_k\.weight$": "Q5_1",
     r"^blk\.1\.attn_v\.weight$": "F16", r"^blk\.1\.attn_output\.weight$": "BF16",
 }
-COMMITTED = ("qwen3_moe-mix", "qwen2_moe-Q4_K_M", "olmoe-Q8_0", "mixtral-Q8_0")
+# Qwen3.5's files live in their own folder: its F32 file is there for the exact comparison, and
+# the type-coverage set above stays as it was.
+COMMITTED = ("qwen3_moe-mix", "qwen2_moe-Q4_K_M", "olmoe-Q8_0", "mixtral-Q8_0", "qwen3_5_moe/qwen3_5_moe-F32",
+             "qwen3_5_moe/qwen3_5_moe-Q8_0")
+
+
+def convert(llama_dir: Path, family: str, hf_dir: Path, out: Path) -> Path:
+    """`llamacpp_ref.convert` to F32, with the family's converter flags (CONVERT_ARGS)."""
+    import subprocess
+
+    if not CONVERT_ARGS.get(family):
+        return ref.convert(llama_dir, hf_dir, out, "f32")
+    cmd = [sys.executable, "-c", ref._CONVERT_BOOTSTRAP, str(llama_dir), "gpt-2", str(hf_dir),
+           "--outtype", "f32", "--outfile", str(out), *CONVERT_ARGS[family]]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{res.stderr[-3000:]}")
+    return out
 
 
 def sha256(path: Path) -> str:
@@ -155,14 +178,14 @@ def write_recording(gguf_path: Path, rec: dict, arrays: dict[str, np.ndarray]) -
 
 def check(out: Path) -> int:
     """Recompute every recording in `out` with llama.cpp; print each mismatch; count them."""
-    recs = sorted(out.glob("*.json"))
+    recs = sorted(p for p in [*out.glob("*.json"), *out.glob("*/*.json")] if p.with_suffix(".gguf").is_file())
     if not recs:
         print(f"no recordings in {out}")
         return 1
     bad = 0
     for path in recs:
         old = json.loads(path.read_text())
-        gguf_path = out / old["gguf"]
+        gguf_path = path.parent / old["gguf"]
         problems = []
         if sha256(gguf_path) != old["sha256"]:
             problems.append("the GGUF file's sha256 differs from the recording's")
@@ -190,14 +213,17 @@ def check(out: Path) -> int:
     return bad
 
 
-def rebuild(llama_dir: Path, work: Path, out: Path) -> None:
-    """Build every family and quantization in `work`, record each, copy COMMITTED to `out`."""
+def rebuild(llama_dir: Path, work: Path, out: Path, families: list[str] | None = None) -> None:
+    """Build every family (or `families`) and quantization in `work`, record each, copy those of
+    COMMITTED made to `out`."""
     made: dict[str, dict] = {}
     refused: dict[str, str] = {}
     for fam, spec in FAMILIES.items():
+        if families and fam not in families:
+            continue
         hf = build_checkpoint(spec, BUNDLED, work / "hf" / fam)
         try:
-            f32 = ref.convert(llama_dir, hf, work / f"{fam}-F32.gguf", "f32")
+            f32 = convert(llama_dir, fam, hf, work / f"{fam}-F32.gguf")
             agreement = transformers_agreement(hf, f32)
         except (RuntimeError, ValueError) as e:
             refused[fam] = str(e).splitlines()[-1]
@@ -227,23 +253,27 @@ def rebuild(llama_dir: Path, work: Path, out: Path) -> None:
     (work / "summary.json").write_text(json.dumps({"refused": refused, "made": {
         k: {"bytes": v["bytes"], "types": sorted(set(v["tensor_types"].values())), "ppl": v["perplexity"]["ppl"]}
         for k, v in made.items()}}, indent=1) + "\n")
-    absent = [name for name in COMMITTED if name not in made]
+    committed = [n for n in COMMITTED if not families or made.get(Path(n).name, {}).get("family") in families
+                 or Path(n).name.split("-")[0] in families]
+    absent = [name for name in committed if Path(name).name not in made]
     if absent:
         raise SystemExit(f"fixtures to commit were not made: {absent}")
-    covered = {t for name in COMMITTED for t in made[name]["tensor_types"].values()}
-    missing = [t for t in REQUIRED_TYPES if t not in covered]
-    if missing:
-        raise SystemExit(f"the committed fixtures lack tensor types {missing}")
-    out.mkdir(parents=True, exist_ok=True)
-    for name in COMMITTED:
+    if not families:
+        covered = {t for name in committed for t in made[Path(name).name]["tensor_types"].values()}
+        missing = [t for t in REQUIRED_TYPES if t not in covered]
+        if missing:
+            raise SystemExit(f"the committed fixtures lack tensor types {missing}")
+    for name in committed:
+        stem = Path(name).name
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
         prev = out / f"{name}.gguf"
         if prev.is_file():
-            same = sha256(prev) == made[name]["sha256"]
+            same = sha256(prev) == made[stem]["sha256"]
             print(f"{name}.gguf: {'rebuilt byte for byte' if same else 'DIFFERS from the file it replaces'}")
         for suffix in (".gguf", ".json", ".npz"):
-            shutil.copyfile(work / f"{name}{suffix}", out / f"{name}{suffix}")
-    total = sum((out / f"{n}{s}").stat().st_size for n in COMMITTED for s in (".gguf", ".json", ".npz"))
-    print(f"committed set: {', '.join(COMMITTED)}; {total / 1e6:.2f} MB in {out}")
+            shutil.copyfile(work / f"{stem}{suffix}", out / f"{name}{suffix}")
+    total = sum((out / f"{n}{s}").stat().st_size for n in committed for s in (".gguf", ".json", ".npz"))
+    print(f"committed set: {', '.join(committed)}; {total / 1e6:.2f} MB in {out}")
 
 
 def bundled(llama_dir: Path, outdir: Path) -> dict:
@@ -282,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_DIR"),
                     help="llama.cpp source tree holding convert_hf_to_gguf.py (default: $LLAMA_CPP_DIR)")
     ap.add_argument("--rebuild", action="store_true", help="build the fixtures and recordings again")
+    ap.add_argument("--family", action="append", choices=sorted(FAMILIES),
+                    help="with --rebuild: only this family (repeatable)")
     ap.add_argument("--bundled", type=Path, metavar="OUTDIR", help="convert the bundled model and record its ppl")
     args = ap.parse_args(argv)
     if (args.rebuild or args.bundled) and args.llama_cpp is None:
@@ -292,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rebuild:
         if args.work.exists():
             shutil.rmtree(args.work)
-        rebuild(args.llama_cpp, args.work, args.out)
+        rebuild(args.llama_cpp, args.work, args.out, args.family)
     bad = check(args.out)
     print(f"{bad} recording(s) disagree with llama.cpp" if bad else "all recordings agree with llama.cpp")
     return 1 if bad else 0

@@ -30,6 +30,8 @@ from .arch import Architecture, ExpertLayout
 GGUF_EXPERT_NAMES = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight",
                      "down": "ffn_down_exps.weight", "gate_up": "ffn_gate_up_exps.weight"}
 _ARCH_IDS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+# Hugging Face names gguf-py's map does not know, by their end, with the GGUF name's end.
+_EXTRA_NAMES = {"linear_attn.dt_bias": "ssm_dt.bias"}
 
 
 def is_gguf(path: Path) -> bool:
@@ -76,7 +78,7 @@ def config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConfi
     dense = get("feed_forward_length", 0) if not all(sparse) else 0
     all_f32 = all(i.storage == torch.float32 for i in gg.tensors.values())
     try:
-        return ModelConfig(
+        cfg = ModelConfig(
             model_type=arch.model_types[0], vocab_size=vocab, hidden_size=hidden, num_layers=layers,
             num_heads=heads, num_kv_heads=kv, head_dim=head_dim, num_experts=experts,
             top_k=need("expert_used_count"), moe_intermediate_size=width, intermediate_size=dense,
@@ -94,6 +96,11 @@ def config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConfi
             bos_token_id=bos, eos_token_id=(eos,) if eos is not None else (),
             router_weights_fp32=arch.router_weights_fp32,
         )
+        # A family with layers of its own kind reads their shapes from its own keys.
+        family = getattr(arch, "gguf_config", None)
+        return family(cfg, md) if family is not None else cfg
+    except KeyError as e:
+        raise ExpertCacheError(f"{where}: missing metadata key {e.args[0]!r}") from None
     except ExpertCacheError as e:
         raise ExpertCacheError(f"{where}: {e}") from None
 
@@ -183,11 +190,16 @@ def hf_names(cfg: ModelConfig, arch: type[Architecture], expected: dict[str, tup
     out = {}
     for hf, shape in expected.items():
         g = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if g is None:
+            end = next((e for e in _EXTRA_NAMES if hf.endswith(e)), None)
+            layer = next((i for i in range(cfg.num_layers) if f".{i}." in hf), None)
+            if end is not None and layer is not None:
+                g = f"blk.{layer}.{_EXTRA_NAMES[end]}"
         if g is None or g not in gg:
             raise ExpertCacheError(f"{gg.files[0]}: missing tensor {g or hf!r} (expected shape {list(shape)})")
         got = tuple(gg.info(g).shape)
-        # llama.cpp stores a [1, D] gate as a vector [D].
-        if got != shape and not (len(got) == 1 and shape == (1, got[0])):
+        # llama.cpp drops axes of 1: a [1, D] gate is a vector [D], a [C, 1, K] conv is [C, K].
+        if got != shape and tuple(d for d in got if d != 1) != tuple(d for d in shape if d != 1):
             raise ExpertCacheError(f"{gg.info(g).file}: tensor {g!r} has shape {list(got)}, expected {list(shape)}")
         out[hf] = g
     return out

@@ -6,6 +6,11 @@ The published checkpoints are multimodal (`qwen3_5_moe`): the text config sits i
 and the text weights under `model.language_model.`, beside a vision tower (`model.visual.*`) and
 a multi-token-prediction head (`mtp.*`), both skipped. A text-only checkpoint (`qwen3_5_moe_text`,
 transformers' Qwen3_5MoeForCausalLM) keeps the usual `model.layers.` names.
+
+GGUF files (`qwen35moe`, llama.cpp's converter) are read under the text-only names through
+gguf-py's name map. The converter changed three things, taken as they are rather than undone:
+the value heads are tiled (`DeltaNetConfig.tiled_v_heads`), `A_log` is stored as A = -exp(A_log)
+(`ssm_a`, read by `GGUFDeltaNet`), and every norm but the DeltaNet's gated one holds 1 + w.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from ..config import ModelConfig
 from ..errors import ExpertCacheError
 from .arch import HF_TENSOR_NAMES, Architecture, Key
-from .deltanet import DeltaNetConfig
+from .deltanet import DeltaNetConfig, DeltaNetWeights
 from .gated_attention import GatedAttentionConfig
-from .mixers import DeltaNet, GatedAttention, Mixer
+from .mixers import DELTANET_TENSORS, DeltaNet, GatedAttention, Mixer, Reader
 from .qwen3_moe import QWEN_EXPERT_LAYOUTS
 
 # `layer_types` values, and the mixer each names.
@@ -38,6 +45,20 @@ class Qwen35Config(ModelConfig):
     deltanet: DeltaNetConfig | None = None
     attention: GatedAttentionConfig | None = None
     wrapped: bool = False               # multimodal checkpoint: names under model.language_model.
+    gguf: bool = False                  # read from a GGUF file (see the module doc)
+
+
+class GGUFDeltaNet(DeltaNet):
+    """DeltaNet on a GGUF file's tensors: the name `A_log` stands for the file's `ssm_a`, which
+    holds A = -exp(A_log) itself, taken as is."""
+
+    def load(self, prefix: str, r: Reader) -> DeltaNetWeights:
+        t = {n: r.read(prefix + "linear_attn." + n) for n in DELTANET_TENSORS}
+        w = DeltaNetWeights(r.keep(t["in_proj_qkv.weight"]), r.keep(t["in_proj_z.weight"]),
+                            r.keep(t["in_proj_b.weight"]), r.keep(t["in_proj_a.weight"]),
+                            t["conv1d.weight"].squeeze(1).contiguous(), t["dt_bias"], t["A_log"].float(),
+                            t["norm.weight"], r.keep(t["out_proj.weight"]))
+        return w
 
 
 def default_layer_types(layers: int, interval: int = 4) -> tuple[str, ...]:
@@ -83,17 +104,63 @@ class Qwen35Moe(Architecture):
                             wrapped=wrapped)
 
     @classmethod
+    def gguf_config(cls, base: ModelConfig, metadata: dict) -> Qwen35Config:
+        """The family's config from a `qwen35moe` GGUF's metadata, over what `config_from_gguf`
+        read (`base`); a missing key raises KeyError naming it."""
+        a = metadata["general.architecture"]
+
+        def need(key: str):
+            if metadata.get(f"{a}.{key}") is None:
+                raise KeyError(f"{a}.{key}")
+            return metadata[f"{a}.{key}"]
+
+        layers = base.num_layers
+        recurrent = metadata.get(f"{a}.attention.recurrent_layers")
+        if recurrent is not None:
+            if not isinstance(recurrent, list) or len(recurrent) != layers:
+                raise ExpertCacheError(f"{a}.attention.recurrent_layers {recurrent!r}: expected {layers} booleans")
+            types = tuple("linear_attention" if r else "full_attention" for r in recurrent)
+        else:
+            types = default_layer_types(layers, need("full_attention_interval"))
+        deltanet = attention = None
+        if "linear_attention" in types:
+            v_heads = need("ssm.time_step_rank")
+            inner = need("ssm.inner_size")
+            if inner % v_heads:
+                raise ExpertCacheError(f"{a}.ssm.inner_size {inner} is not a multiple of {a}.ssm.time_step_rank "
+                                       f"{v_heads}")
+            deltanet = DeltaNetConfig(need("ssm.group_count"), v_heads, need("ssm.state_size"), inner // v_heads,
+                                      conv_kernel=need("ssm.conv_kernel"), eps=base.rms_norm_eps,
+                                      tiled_v_heads=True)
+        if "full_attention" in types:
+            rotary = metadata.get(f"{a}.rope.dimension_count", base.head_dim // 4)
+            attention = GatedAttentionConfig(base.num_heads, base.num_kv_heads, base.head_dim, rotary,
+                                             base.rms_norm_eps)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
+        fields["norm_topk_prob"] = True  # as llama.cpp's qwen35moe graph, whatever the metadata says
+        return Qwen35Config(**fields, layer_types=types, deltanet=deltanet, attention=attention, gguf=True)
+
+    @classmethod
+    def from_gguf(cls, hf_name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+        # The converter stored g = 1 + w; the loader adds the 1 in fp32 (`unit_offset`), so w is
+        # handed back: 1 + (g - 1) is g exactly for every fp32 g >= 0.5 (Sterbenz), all a norm
+        # scale near 1 takes.
+        if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+            return t - 1.0
+        return t
+
+    @classmethod
     def names(cls, cfg: ModelConfig) -> dict[str, str]:
         return _WRAPPED_NAMES if getattr(cfg, "wrapped", False) else cls.tensor_names
 
     @classmethod
     def mixers(cls, cfg: ModelConfig) -> tuple[Mixer, ...]:
-        if not isinstance(cfg, Qwen35Config):  # a config read without the family's fields (GGUF, for now)
+        if not isinstance(cfg, Qwen35Config):  # a config read without the family's fields
             raise ExpertCacheError(f"{cfg.model_type}: the layer types and DeltaNet shapes are unknown; "
                                    "expected a Hugging Face checkpoint (config.json with layer_types)")
         by_type = {}
         if cfg.deltanet is not None:
-            by_type["linear_attention"] = DeltaNet(cfg.deltanet, cfg.hidden_size)
+            by_type["linear_attention"] = (GGUFDeltaNet if cfg.gguf else DeltaNet)(cfg.deltanet, cfg.hidden_size)
         if cfg.attention is not None:
             by_type["full_attention"] = GatedAttention(cfg.attention, cfg.hidden_size, cfg.qkv_bias)
         return tuple(by_type[t] for t in cfg.layer_types)
