@@ -308,3 +308,16 @@ def test_bf16_error_is_of_the_size_of_transformers_own(gemma4):
     theirs = ref_logits(ref.to(torch.bfloat16), ids)
     ours_err, theirs_err = (ours - exact).abs().mean(), (theirs - exact).abs().mean()
     assert 0 < ours_err < 1.5 * theirs_err, (ours_err, theirs_err)
+
+
+def test_the_dense_mlp_counts_as_fast_tier_weights(gemma4):
+    from expertcache.bench.speed import weight_bytes_per_token
+
+    _, d = gemma4()
+    model = expertcache.load(d)
+    layers = model.net.weights.layers
+    # sliding: q, k, v [64|32|32, 64] + o [64, 64]; full (k-eq-v, head dim 32, one kv head): q [128, 64],
+    # k [32, 64] + o [64, 128]; per layer a router [8, 64] and the dense MLP 3 x [48, 64]; fp32
+    per_kind = {S: (128 * 64 + 64 * 64) * 4, F: (160 * 64 + 64 * 128) * 4}
+    expected = sum(per_kind[lw.mixer.kind] + (8 * 64 + 3 * 48 * 64) * 4 for lw in layers)
+    assert weight_bytes_per_token(model)["dense"] == expected

@@ -34,7 +34,7 @@ class LayerWeights:
     attn: object                             # the mixer's weights (AttentionWeights, DeltaNetWeights, ...)
     mixer: Mixer | None = None               # what runs `attn`; set by the loader
     router: torch.Tensor | None = None       # [E, D] on MoE layers
-    dense: MLPWeights | None = None          # dense (non-MoE) layers
+    dense: MLPWeights | None = None          # dense (non-MoE) layers; a block's dense MLP
     shared: MLPWeights | None = None         # Qwen2-MoE shared expert
     shared_gate: torch.Tensor | None = None  # [1, D]
     # A feed-forward block that replaces the one above (Gemma 4's dense MLP beside the experts,

@@ -255,6 +255,7 @@ def load_dense(m: OpenedModel, device: torch.device, dtype: torch.dtype) -> Dens
             lw.dense = mlp(p + N["mlp"])
         if block is not None:
             lw.block, lw.block_w = block, block.load(p, reader)
+            lw.dense = lw.block_w.dense  # so that what counts the fast tier's weights sees it
         layers.append(lw)
     return DenseWeights(embed, norm(N["norm"]), lm_head, layers, m.arch.unit_offset_norms,
                         **m.arch.dense_options(cfg))
