@@ -139,3 +139,37 @@ def test_results_never_depend_on_the_cache(dtype):
         assert torch.equal(got, want), cache
         assert gen == want_gen, cache
         assert tel["total"]["copied_experts"] > 0, cache
+
+
+def _without(monkeypatch, key: str) -> None:
+    """GGUF files read as if their metadata lacked `key`."""
+    from expertcache.models import gguf_loader
+
+    class Without(gguf_loader.GGUFCheckpoint):
+        def __init__(self, path):
+            super().__init__(path)
+            self.metadata = {k: v for k, v in self.metadata.items() if k != key}
+
+    monkeypatch.setattr(gguf_loader, "GGUFCheckpoint", Without)
+
+
+def test_without_recurrent_layers_the_interval_gives_the_layer_types(monkeypatch):
+    # Converters before `attention.recurrent_layers` wrote only full_attention_interval.
+    path = FIXTURES / f"{Q8}.gguf"
+    ids = _record(Q8)["prompt"]["tokens"]
+    want = expertcache.load(path, dtype="float32").logits(ids)
+    _without(monkeypatch, "qwen35moe.attention.recurrent_layers")
+    model = expertcache.load(path, dtype="float32")
+    assert model.cfg.layer_types == (L, L, L, F)
+    assert torch.equal(model.logits(ids), want)
+
+
+@pytest.mark.parametrize("key", ["qwen35moe.ssm.group_count", "qwen35moe.ssm.inner_size"])
+def test_a_missing_metadata_key_is_one_line_naming_it(monkeypatch, key):
+    from expertcache.errors import ExpertCacheError
+
+    _without(monkeypatch, key)
+    with pytest.raises(ExpertCacheError) as e:
+        expertcache.load(FIXTURES / f"{Q8}.gguf")
+    msg = str(e.value)
+    assert "\n" not in msg and key in msg and f"{Q8}.gguf" in msg, msg

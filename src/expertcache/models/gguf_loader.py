@@ -7,6 +7,10 @@ llama.cpp's converter stores each MoE layer's experts as three tensors [E, rows,
 slice of each, so it spans two or three ranges of the file, each in its own storage type. Dense
 weights are dequantized at load (exactly, to fp32, then the compute dtype); experts stay as the
 file's blocks in both tiers and are dequantized only by the compute path.
+
+A family whose layers are not all attention (Qwen3.5's `qwen35moe`) completes the config from its
+own keys (`Architecture.gguf_config`) and undoes or keeps what the converter did to its tensors
+(`Architecture.from_gguf`, its mixers).
 """
 
 from __future__ import annotations
