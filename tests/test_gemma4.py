@@ -321,3 +321,16 @@ def test_the_dense_mlp_counts_as_fast_tier_weights(gemma4):
     per_kind = {S: (128 * 64 + 64 * 64) * 4, F: (160 * 64 + 64 * 128) * 4}
     expected = sum(per_kind[lw.mixer.kind] + (8 * 64 + 3 * 48 * 64) * 4 for lw in layers)
     assert weight_bytes_per_token(model)["dense"] == expected
+
+
+def test_server_prompt_cache_across_the_window_replies_equal_a_fresh_servers(gemma4):
+    """Turns longer than the window: the reused prefix reaches past where the rings forget."""
+    from test_qwen35 import _serve_conversation
+
+    _, d = gemma4(seed=18)
+    turns = [[f"w{i}" for i in range(5, 25)], [f"w{i}" for i in range(30, 42)], [f"w{i}" for i in range(50, 70)]]
+    cached = _serve_conversation(d, True, turns)
+    fresh = _serve_conversation(d, False, turns)
+    assert [text for text, _ in cached] == [text for text, _ in fresh]
+    assert all(t["cache_n"] == 0 for _, t in fresh)
+    assert cached[1][1]["cache_n"] > WINDOW and cached[2][1]["cache_n"] > cached[1][1]["cache_n"]
