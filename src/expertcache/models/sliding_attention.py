@@ -145,6 +145,16 @@ def sliding_attention(kern: Kernels, mixer: SlidingAttention, w: SlidingAttentio
     v = gemma_rms_norm(v.view(T, G, Dh), None, eps).transpose(0, 1)                              # [G, T, Dh]
     keys, values, kpos = kv.append_window(layer, k, v)                       # [G, N, Dh] x2, [N]
     R = H // G
+    if T == 1:
+        # Decode: the R query heads of a group stacked along its query axis, so the cache is read
+        # once per group and never copied per head. Every key is at or before P; a ring may hold
+        # empty slots (-1) and, in a sliding layer, nothing older than its window.
+        mask = None
+        if cfg.window is not None:
+            mask = ((kpos >= 0) & (kpos > P - cfg.window))[None, None, None, :]  # [1, 1, 1, N]
+        out = F.scaled_dot_product_attention(q.reshape(1, G, R, Dh), keys[None], values[None],
+                                             attn_mask=mask, scale=1.0)    # [1, G, R, Dh]
+        return gemma_rms_norm(kern.linear(out.reshape(1, H * Dh), w.o), w.post_norm, eps)  # [1, D]
     if R > 1:
         keys = keys.repeat_interleave(R, dim=0)                               # [H, N, Dh]
         values = values.repeat_interleave(R, dim=0)                           # [H, N, Dh]

@@ -5,7 +5,7 @@ on the full layers alone.
 A ring slot holds the position p at index p % W, with the position itself beside it (-1: empty).
 A forward of T tokens attends over the ring as it was (the previous W positions) plus its own T
 keys, the mask made from the positions (`append_window`), and then writes its last min(T, W)
-keys into the ring.
+keys into the ring; a decode step writes its key first and attends over the ring alone.
 
 A ring forgets: once positions have slid out, cutting the sequence back to a prefix that needs
 them is impossible from the ring alone. So, as for recurrent state (`state.py`), the cache keeps
@@ -87,6 +87,15 @@ class WindowKVCache(KVCache):
             return super().append_window(layer, k, v)
         r, P, T = self.rings[layer], self.length, k.shape[1]
         W = r.pos.shape[0]
+        if T == 1:
+            # A decode step: its slot held position P-W, outside its window; written first, the
+            # ring alone is what it attends over (no copy of the ring per step).
+            slot = P % W
+            self._pending = True
+            r.k[:, slot].copy_(k[:, 0])
+            r.v[:, slot].copy_(v[:, 0])
+            r.pos[slot] = P
+            return r.k, r.v, r.pos
         new_pos = torch.arange(P, P + T, device=k.device)                  # [T]
         keys = torch.cat((r.k, k), dim=1)                                  # [G, W+T, Dh]
         values = torch.cat((r.v, v), dim=1)                                # [G, W+T, Dh]
