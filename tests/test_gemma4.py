@@ -334,3 +334,14 @@ def test_server_prompt_cache_across_the_window_replies_equal_a_fresh_servers(gem
     assert [text for text, _ in cached] == [text for text, _ in fresh]
     assert all(t["cache_n"] == 0 for _, t in fresh)
     assert cached[1][1]["cache_n"] > WINDOW and cached[2][1]["cache_n"] > cached[1][1]["cache_n"]
+
+
+def test_packed_checkpoint_gives_the_same_logits(gemma4, tmp_path, capsys):
+    """`pack` keeps every tensor the model reads, the layer scalars included."""
+    _, d = gemma4(seed=19, wrapped=True)
+    ids = ids_of(3 * WINDOW, seed=20)
+    code, err = run_cli(capsys, "pack", "-m", str(d), "-o", str(tmp_path / "packed"))
+    assert code == 0, err
+    packed = expertcache.load(tmp_path / "packed")
+    assert packed.net.weights.layers[0].block_w.layer_scalar is not None
+    assert torch.equal(packed.logits(ids), expertcache.load(d).logits(ids))

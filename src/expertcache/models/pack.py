@@ -19,7 +19,7 @@ from ..checkpoint.writer import PlannedTensor, atomic_output_dir, copy_side_file
 from ..config import parse_dtype
 from ..tiers.store import convert
 from .arch import PACKED_LAYOUT
-from .loader import expected_shapes, open_model
+from .loader import expected_shapes, open_model, optional_shapes
 
 
 def pack(model_dir: str | Path, out: str | Path, dtype=None, force: bool = False, progress: bool = True) -> Path:
@@ -28,6 +28,7 @@ def pack(model_dir: str | Path, out: str | Path, dtype=None, force: bool = False
     out_dtype = parse_dtype(dtype) or source.dtype
     planned: list[PlannedTensor] = []
     src_names = expected_shapes(cfg, m.arch, layout)
+    src_names.update({n: s for n, s in optional_shapes(cfg, m.arch).items() if n in ckpt})
     expert_parts = {getattr(layout, f) for f in ("gate", "up", "down", "gate_up", "packed") if getattr(layout, f)}
     names = m.arch.names(cfg)
     in_layer = re.compile(re.escape(names["layer"]).replace(re.escape("{i}"), r"\d+"))
