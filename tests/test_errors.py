@@ -116,3 +116,12 @@ def test_every_subcommand_has_help(capsys):
             build_parser().parse_args([*argv, "--help"])
         assert e.value.code == 0, argv
         assert "usage: expertcache" in capsys.readouterr().out
+
+
+def test_a_context_beyond_the_trained_one_is_a_warning(capsys):
+    from conftest import run_cli
+
+    code, err = run_cli(capsys, "run", "-c", "8192", "-p", "def f", "-n", "1")
+    assert code == 0
+    warning = [line for line in err.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "8192" in warning[0] and "4096" in warning[0]

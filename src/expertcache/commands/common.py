@@ -4,6 +4,7 @@ flags the benchmarks share too are in `expertcache.flags`)."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..errors import ExpertCacheError
@@ -27,9 +28,13 @@ def add_model_flags(p: argparse.ArgumentParser, ctx: bool = True) -> None:
 def load_model(args):
     from ..engine import load
 
-    return load(args.model, device=args.device, dtype=args.dtype, cache=cache_config(args),
-                ctx_size=getattr(args, "ctx_size", None), threads=args.threads,
-                kernels=args.kernels, tokenizer=args.tokenizer)
+    model = load(args.model, device=args.device, dtype=args.dtype, cache=cache_config(args),
+                 ctx_size=getattr(args, "ctx_size", None), threads=args.threads,
+                 kernels=args.kernels, tokenizer=args.tokenizer)
+    if model.ctx_size > model.cfg.max_position:  # as llama.cpp warns: it runs, quality may not hold
+        print(f"expertcache: warning: -c {model.ctx_size} is beyond the {model.cfg.max_position} tokens the model "
+              "was trained on; output past that length may degrade", file=sys.stderr, flush=True)
+    return model
 
 
 def read_text_file(path: str) -> str:
