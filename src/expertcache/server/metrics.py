@@ -90,12 +90,13 @@ class ServerCollector(Collector):
                                 value=s.predicted_tokens / s.predicted_seconds if s.predicted_seconds else 0.0)
         yield GaugeMetricFamily(f"{PREFIX}_requests_processing", "requests running now", value=s.processing)
         yield GaugeMetricFamily(f"{PREFIX}_requests_deferred", "requests waiting for the worker", value=s.deferred)
-        # Recurrent state (Qwen3.5's DeltaNet) cannot be cut back to a prefix: sessions keep
-        # snapshots to restore from, bounded in number (models/state.py); their memory shows here.
+        # Recurrent state (Qwen3.5's DeltaNet) and sliding-window rings (Gemma 4) cannot be cut
+        # back to a prefix: sessions keep snapshots to restore from, bounded in number; their
+        # memory shows here.
         kept = [slot.session.kv for slot in self.scheduler.slots if slot.session is not None]
-        yield GaugeMetricFamily(f"{PREFIX}_state_snapshots", "recurrent-state snapshots the slots keep",
+        yield GaugeMetricFamily(f"{PREFIX}_state_snapshots", "state snapshots the slots keep (recurrent state, sliding-window rings)",
                                 value=sum(len(getattr(kv, "snapshots", ())) for kv in kept))
-        yield GaugeMetricFamily(f"{PREFIX}_state_snapshot_bytes", "bytes of the recurrent-state snapshots the slots keep",
+        yield GaugeMetricFamily(f"{PREFIX}_state_snapshot_bytes", "bytes of the state snapshots the slots keep (recurrent state, sliding-window rings)",
                                 value=sum(kv.snapshot_bytes() for kv in kept))
 
 
