@@ -227,3 +227,25 @@ def test_perplexity_agrees_with_llama_cpps_recording(name, bound):
     assert len(got.chunks) == rec["perplexity"]["chunks"]
     assert all(c.count == rec["perplexity"]["scored_per_chunk"] for c in got.chunks)
     assert abs(got.ppl / rec["perplexity"]["ppl"] - 1) < bound, (got.ppl, rec["perplexity"]["ppl"])
+
+
+def test_pack_writes_each_expert_as_one_range_with_the_same_results(tmp_path, capsys):
+    from conftest import assert_one_line_error, run_cli
+
+    src = FIXTURES / "qwen3_moe-mix.gguf"
+    out = tmp_path / "packed.gguf"
+    assert run_cli(capsys, "pack", "-m", str(src), "-o", str(out))[0] == 0
+    want = expertcache.load(src).logits(PROMPT)
+    packed = expertcache.load(out, cache=CacheConfig(mode="cache", experts=8, store="disk"))
+    assert torch.equal(packed.logits(PROMPT), want)
+    # the same formats, now one range per expert: a run of four missing experts is one read
+    assert packed.experts.formats == expertcache.load(src).experts.formats
+    fresh = expertcache.load(out, cache=CacheConfig(mode="cache", experts=8, store="disk"))
+    store, before = fresh.experts.store, fresh.experts.store.reads
+    list(fresh.experts.acquire(1, [0, 1, 2, 3]))
+    assert store.reads - before == 1
+    assert packed.tokenizer.encode("def f(x):") == expertcache.load(src).tokenizer.encode("def f(x):")
+    code, err = run_cli(capsys, "pack", "-m", str(src), "-o", str(out))
+    assert_one_line_error(code, err, str(out), "already exists")
+    code, err = run_cli(capsys, "pack", "-m", str(src), "-o", str(src), "--force")
+    assert_one_line_error(code, err, str(src))

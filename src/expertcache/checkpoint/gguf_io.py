@@ -337,6 +337,10 @@ class GGUFCheckpoint:
         info = self.tensors[name]
         return self._pread(self.segment(name, index)).view(info.byte_shape[1:])
 
+    def read_range(self, seg: Segment) -> torch.Tensor:
+        """The bytes of a range of one of the files (uint8), in a fresh tensor."""
+        return self._pread(seg)
+
     def _pread(self, seg: Segment) -> torch.Tensor:
         out = torch.empty(seg.nbytes, dtype=torch.uint8)  # [nbytes]
         view, done = memoryview(out.numpy()), 0

@@ -1,20 +1,35 @@
-"""`expertcache pack`: write an expert-major checkpoint (see `expertcache.models.pack`)."""
+"""`expertcache pack`: write an expert-major checkpoint (see `expertcache.models.pack`, and
+`expertcache.models.pack_gguf` for GGUF files)."""
 
 from __future__ import annotations
 
-from ..models.pack import pack
+from pathlib import Path
+
+from ..errors import ExpertCacheError
 
 
 def cmd_pack(args) -> int:
-    out = pack(args.model, args.output, args.dtype, args.force)
+    from ..models.gguf_loader import is_gguf
+
+    if is_gguf(Path(args.model)):
+        if args.dtype:
+            raise ExpertCacheError("--dtype does not apply to a GGUF file: its experts are packed as its blocks")
+        from ..models.pack_gguf import pack_gguf
+
+        out = pack_gguf(args.model, args.output, args.force)
+    else:
+        from ..models.pack import pack
+
+        out = pack(args.model, args.output, args.dtype, args.force)
     print(f"wrote {out}")
     return 0
 
 
 def register(sub) -> None:
     p = sub.add_parser("pack", help="write an expert-major checkpoint (each expert one contiguous range)")
-    p.add_argument("-m", "--model", required=True, help="model directory to read")
-    p.add_argument("-o", "--output", required=True, help="directory to write (must not exist)")
-    p.add_argument("--dtype", help="dtype of the written weights (default: the checkpoint's)")
-    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("-m", "--model", required=True, help="model to read: a checkpoint directory or a GGUF file")
+    p.add_argument("-o", "--output", required=True,
+                   help="directory to write (a GGUF model: a .gguf file to write); must not exist")
+    p.add_argument("--dtype", help="dtype of the written weights (default: the checkpoint's; not for GGUF)")
+    p.add_argument("--force", action="store_true", help="replace an earlier output of pack or synth")
     p.set_defaults(func=cmd_pack)

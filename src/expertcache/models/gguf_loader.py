@@ -17,12 +17,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import gguf
 import torch
+from gguf.constants import GGMLQuantizationType as Q
 
 from ..checkpoint.gguf_io import GGUFCheckpoint
 from ..checkpoint.safetensors_io import Segment
-from ..checkpoint.storage import is_quantized
+from ..checkpoint.storage import GGML_DTYPES, is_quantized
 from ..config import ModelConfig, RopeConfig
 from ..errors import ExpertCacheError
 from ..kernels.dequant import dequantize
@@ -30,6 +33,10 @@ from ..tiers.layout import ExpertFormat
 from . import for_gguf
 from .arch import Architecture, ExpertLayout
 
+# A MoE layer's experts as `expertcache pack` writes them ([E, bytes], one range per expert), and
+# the metadata key that records their format.
+PACKED = "ffn_exps_packed"
+PACKED_FORMAT_KEY = "expertcache.packed.{layer}"
 # The expert tensors of every llama.cpp MoE architecture, relative to `blk.{i}.`.
 GGUF_EXPERT_NAMES = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight",
                      "down": "ffn_down_exps.weight", "gate_up": "ffn_gate_up_exps.weight"}
@@ -144,6 +151,9 @@ class GGUFExperts:
         self._formats: dict[int, ExpertFormat] = {}
         D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         for i in self.layers:
+            if f"blk.{i}.{PACKED}" in gg:  # written by `expertcache pack`: one range per expert
+                self._names[i], self._formats[i] = self._packed(i)
+                continue
             fused = f"blk.{i}.{GGUF_EXPERT_NAMES['gate_up']}" in gg
             parts = [("gate_up", (2 * I, D)), ("down", (D, I))] if fused else \
                 [("gate", (I, D)), ("up", (I, D)), ("down", (D, I))]
@@ -168,21 +178,47 @@ class GGUFExperts:
         m = self._formats[self.layers[0]].matrices[0]
         return None if is_quantized(m.storage) else m.storage
 
+    def _packed(self, i: int) -> tuple[list[tuple[str, str]], ExpertFormat]:
+        name = f"blk.{i}.{PACKED}"
+        key = PACKED_FORMAT_KEY.format(layer=i)
+        try:
+            parts = [(n, GGML_DTYPES.get(Q[t], Q[t]), tuple(shape)) for n, t, shape in json.loads(self.gg.require(key))]
+            fmt = ExpertFormat.of(parts)
+        except (ValueError, KeyError, TypeError):
+            raise ExpertCacheError(f"{self.gg.files[0]}: metadata {key!r} is not a packed expert format "
+                                   "(expected [[name, type, [rows, cols]], ...])") from None
+        info = self.gg.info(name)
+        if tuple(info.byte_shape) != (self.num_experts, fmt.nbytes):
+            raise ExpertCacheError(f"{info.file}: tensor {name!r} holds {list(info.byte_shape)} bytes, expected "
+                                   f"{[self.num_experts, fmt.nbytes]} for {fmt.describe()}")
+        return [("packed", name)], fmt
+
     def format(self, layer: int) -> ExpertFormat:
         return self._formats[layer]
 
     def segments(self, layer: int, e: int) -> list[Segment]:
-        return [self.gg.segment(name, e) for _, name in self._names[layer]]
+        names = self._names[layer]
+        if names[0][0] == "packed":
+            info = self.gg.info(names[0][1])
+            each = info.nbytes // info.shape[0]
+            return [Segment(info.file, info.offset + e * each, each)]
+        return [self.gg.segment(name, e) for _, name in names]
 
     def run_parts(self, layer: int, first: int, n: int) -> list[tuple[Segment, int, int]]:
         # An expert is a slice of each of two or three tensors: a run is one read per tensor.
+        names, fmt = self._names[layer], self._formats[layer]
+        if names[0][0] == "packed":
+            a = self.segments(layer, first)[0]
+            return [(Segment(a.file, a.offset, a.nbytes * n), 0, fmt.nbytes)]
         out = []
-        for (_, name), m in zip(self._names[layer], self._formats[layer].matrices):
+        for (_, name), m in zip(names, fmt.matrices):
             a = self.gg.segment(name, first)
             out.append((Segment(a.file, a.offset, a.nbytes * n), m.offset, m.nbytes))
         return out
 
     def read(self, layer: int, e: int) -> torch.Tensor:
+        if self._names[layer][0][0] == "packed":
+            return self.gg.read_range(self.segments(layer, e)[0])
         return torch.cat([self.gg.read_rows(name, e).reshape(-1) for _, name in self._names[layer]])
 
 
