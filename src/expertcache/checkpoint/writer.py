@@ -114,6 +114,24 @@ def check_output_file(out: Path, force: bool, marker: str, is_ours: Callable[[Pa
 
 
 @contextlib.contextmanager
+def atomic_gguf(out: Path, arch: str) -> Iterator:
+    """A `gguf.GGUFWriter` on a temporary name beside `out`; the file becomes `out` only when the
+    block completes, and is removed on any error or interrupt."""
+    from gguf import GGUFWriter
+
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    w = GGUFWriter(tmp, arch)
+    try:
+        yield w
+        w.close()
+        os.replace(tmp, out)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
 def atomic_output_dir(out: Path, force: bool = False, sources: tuple[Path, ...] = ()) -> Iterator[Path]:
     """Yield a temporary directory beside `out`; it becomes `out` only if the block completes.
     On any error or interrupt it is removed, so no half-written output is ever left. The path is

@@ -10,16 +10,14 @@ storage types, shapes) is recorded in the metadata under `expertcache.packed.{la
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType as Q
 from tqdm import tqdm
 
 from ..checkpoint.gguf_io import GGUFCheckpoint
-from ..checkpoint.writer import check_output_file
+from ..checkpoint.writer import atomic_gguf, check_output_file
 from ..errors import ExpertCacheError
 from .gguf_loader import GGUF_EXPERT_NAMES, PACKED, PACKED_FORMAT_KEY, GGUFExperts, config_from_gguf
 from . import for_gguf
@@ -36,9 +34,7 @@ def pack_gguf(src: str | Path, out: str | Path, force: bool = False, progress: b
     cfg = config_from_gguf(for_gguf(gg.metadata, str(gg.files[0])), gg)
     experts = GGUFExperts(gg, cfg)
     arch = gg.metadata["general.architecture"]
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    w = GGUFWriter(tmp, arch)
-    try:
+    with atomic_gguf(out, arch) as w:
         for key, value in gg.metadata.items():
             if key in ("general.architecture", MARKER_KEY) or key.startswith("split.") or key.startswith("expertcache."):
                 continue
@@ -69,12 +65,6 @@ def pack_gguf(src: str | Path, out: str | Path, force: bool = False, progress: b
             else:
                 rows = np.stack([experts.read(layer, e).numpy() for e in range(cfg.num_experts)])
                 w.write_tensor_data(rows.view(np.int8))
-        w.close()
-        os.replace(tmp, out)
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return out
 
 

@@ -8,7 +8,6 @@ Qwen3-MoE (`qwen3moe`), with a byte-level tokenizer, so that llama.cpp loads it 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ from gguf import GGUFReader, GGUFWriter, TokenType
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from tqdm import tqdm
 
-from ..checkpoint.writer import check_output_file
+from ..checkpoint.writer import atomic_gguf, check_output_file
 from ..errors import ExpertCacheError
 from .synth import synth_config
 
@@ -83,9 +82,7 @@ def synth_gguf(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None 
     L, D, E = raw["num_hidden_layers"], raw["hidden_size"], raw["num_experts"]
     I, H, G, Dh, V = (raw["moe_intermediate_size"], raw["num_attention_heads"], raw["num_key_value_heads"],
                       raw["head_dim"], raw["vocab_size"])
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    w = GGUFWriter(tmp, "qwen3moe")
-    try:
+    with atomic_gguf(out, "qwen3moe") as w:
         w.add_string(MARKER_KEY, "expertcache synth")
         w.add_block_count(L)
         w.add_context_length(raw["max_position_embeddings"])
@@ -124,12 +121,6 @@ def synth_gguf(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None 
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file(progress=False)
-        w.close()
-        os.replace(tmp, out)
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return out
 
 

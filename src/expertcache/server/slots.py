@@ -5,7 +5,6 @@ that a request continuing it reuses the longest common token prefix. Knows nothi
 
 from __future__ import annotations
 
-import inspect
 import queue
 import threading
 from collections.abc import Callable
@@ -99,9 +98,6 @@ class Scheduler:
         self._tick = 0
         self._thread: threading.Thread | None = None
         self._current: Job | None = None
-        # An engine whose generate() takes `should_stop` checks it between prefill micro-batches,
-        # so that a client who left does not keep the worker busy with a long prompt.
-        self._prefill_cancels = "should_stop" in inspect.signature(model.generate).parameters
 
     def start(self) -> None:
         if self._thread is None:
@@ -172,7 +168,8 @@ class Scheduler:
                 job.on_text(piece)
             return not job.cancelled.is_set()
 
-        extra = {"should_stop": job.cancelled.is_set} if self._prefill_cancels else {}
+        # Asked between prefill micro-batches: a client that left stops its prompt there.
+        extra = {"should_stop": job.cancelled.is_set}
         try:
             res = self.model.generate(job.ids, session=slot.session, on_text=on_text, **job.gen, **extra)
         except Exception as e:  # noqa: BLE001 - reported to the waiting request; the worker keeps serving
