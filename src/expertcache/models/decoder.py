@@ -86,6 +86,9 @@ class Decoder:
         self.routing_hook: RoutingHook | None = None
         # A hook that forces routing (benchmarks replay recorded traces): (layer, routing) -> routing.
         self.routing_override: Callable[[int, Routing], Routing] | None = None
+        # A hook that sees each layer's residual stream once its mixer has run, before its
+        # feed-forward block: (layer, h [T, D]). Predictors of the next layer's experts use it.
+        self.residual_hook: Callable[[int, torch.Tensor], None] | None = None
         # Set by benchmarks to split a step's time into parts; None costs nothing.
         self.timer: StepTimer | None = None
 
@@ -126,6 +129,8 @@ class Decoder:
             h = h * torch.tensor(w.embed_scale, dtype=h.dtype)
         for i, lw in enumerate(w.layers):
             h = h + lw.mixer(k, lw.attn, norm(h, lw.input_norm, eps), i, kv, cos, sin)
+            if self.residual_hook is not None:
+                self.residual_hook(i, h)
             x = norm(h, lw.post_norm, eps)
             lap("attention")
             if lw.block is not None:
