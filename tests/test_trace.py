@@ -53,10 +53,11 @@ def test_recording_changes_nothing_and_matches_the_reference_router(ckpt):
     assert torch.equal(traced_logits, plain_logits)
 
     trace = rec.trace()
-    # prefill 11 tokens in micro-batches of 4 (3 forwards), then 11 decode forwards, then the logits call
-    assert trace.tokens.tolist() == [4] * 3 + [4] * 3 + [3] * 3 + [1] * 33 + [11] * 3
-    assert trace.layer.tolist() == [0, 1, 2] * 15
-    assert trace.phase.tolist() == [0] * 9 + [1] * 33 + [0] * 3
+    # prefill 11 tokens as one stretch (attention in micro-batches of 4, each MoE layer one op),
+    # then 11 decode forwards, then the logits call
+    assert trace.tokens.tolist() == [11] * 3 + [1] * 33 + [11] * 3
+    assert trace.layer.tolist() == [0, 1, 2] * 13
+    assert trace.phase.tolist() == [0] * 3 + [1] * 33 + [0] * 3
     assert trace.prefill_tokens() == 22 and trace.decode_tokens() == 11
     h = trace.header
     assert (h.num_experts, h.num_layers, h.moe_layers, h.top_k) == (8, 3, (0, 1, 2), 2)

@@ -7,6 +7,7 @@ and KV state of one conversation so that a later call can reuse its longest comm
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,6 +75,36 @@ class GenerationResult:
 
 
 @dataclass(frozen=True)
+class PrefillStats:
+    """What the last prefill did: tokens, stretches, expert bytes read from the slow tier."""
+
+    tokens: int = 0
+    stretches: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_read / self.tokens if self.tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {"prefill_tokens": self.tokens, "prefill_stretches": self.stretches,
+                "prefill_bytes_read": self.bytes_read, "prefill_bytes_per_token": self.bytes_per_token}
+
+
+def plan_stretch(bytes_per_token: int, stretch: int, mem: int) -> int:
+    """The prefill stretch: `stretch` tokens, or fewer (with one notice line) when their
+    activations, `bytes_per_token` each, would take more than `mem` bytes."""
+    fit = max(1, mem // max(1, bytes_per_token))
+    if stretch <= fit:
+        return stretch
+    print(f"expertcache: prefill stretch cut from {stretch} to {fit} tokens: {stretch} would need "
+          f"{stretch * bytes_per_token / 2**20:.0f} MiB of activations, over the {mem / 2**20:.0f} MiB "
+          "allowed (--prefill-mem)", file=sys.stderr, flush=True)
+    return fit
+
+
+@dataclass(frozen=True)
 class LoadOptions:
     """Everything a model was loaded with; a reload after the checkpoint changes uses the same."""
 
@@ -82,6 +113,8 @@ class LoadOptions:
     cache: CacheConfig
     ctx_size: int | None
     kernels: str
+    prefill_stretch: int = 4096  # tokens per load of each expert in a long prefill (`Model.prefill`)
+    prefill_mem: int = 2 << 30   # bytes a stretch's activations may take; a longer stretch is cut
 
 
 class Model:
@@ -97,6 +130,8 @@ class Model:
         self.eos_ids = set(cfg.eos_token_id)
         if tokenizer is not None:
             self.eos_ids |= tokenizer.end_ids
+        self.last_prefill = PrefillStats()
+        self.stretch = plan_stretch(net.activation_bytes(1), options.prefill_stretch, options.prefill_mem)
 
     @property
     def kernels(self) -> Kernels:
@@ -123,8 +158,8 @@ class Model:
     def _reload(self) -> None:
         old = self.net
         self.cfg, self.net, _ = _assemble(self.path, self.options, old.kernels, self.experts)
-        self.net.routing_hook, self.net.routing_override, self.net.timer = (
-            old.routing_hook, old.routing_override, old.timer)
+        self.net.routing_hook, self.net.routing_override, self.net.residual_hook, self.net.timer = (
+            old.routing_hook, old.routing_override, old.residual_hook, old.timer)
         self.version += 1
 
     # ---- forwards ----
@@ -137,9 +172,14 @@ class Model:
 
     def prefill(self, session: Session, token_ids: list[int], ubatch: int = 512,
                 all_logits: bool = False, should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
-        """Append token_ids to the session in micro-batches; logits of the last token [V] (or all
-        [T, V]). `should_stop` is asked before each micro-batch after the first: when it says
-        yes, prefill stops there (the session holds what was processed) and returns None."""
+        """Append token_ids to the session; logits of the last token [V] (or all [T, V]).
+
+        The tokens run in stretches of `self.stretch` tokens, each one forward layer by layer:
+        attention in micro-batches of `ubatch` tokens, the MoE ops over the whole stretch, so each
+        expert is loaded once per stretch rather than once per micro-batch. The schedule depends
+        only on the token counts, never on the cache, so results do not either. `should_stop`
+        is asked before each stretch after the first: when it says yes, prefill stops there
+        (the session holds what was processed) and returns None."""
         if ubatch < 1:
             raise ExpertCacheError(f"ubatch {ubatch} must be at least 1")
         if not token_ids:
@@ -148,17 +188,28 @@ class Model:
         if session.version != self.version:
             raise ExpertCacheError("the session was computed with weights that have since changed; "
                                    "start a new session")
+        step = self.stretch
         outs = []
-        for s in range(0, len(token_ids), ubatch):
-            if s and should_stop is not None and should_stop():
-                return None
-            chunk = token_ids[s: s + ubatch]
-            last = s + ubatch >= len(token_ids)
-            out = self.net.forward(self._as_tensor(chunk), session.kv, all_logits=all_logits)
-            if all_logits or last:
-                outs.append(out)
-            session.tokens.extend(chunk)
+        done = 0
+        before = self._read_bytes()
+        t0 = time.perf_counter()
+        try:
+            for s in range(0, len(token_ids), step):
+                if s and should_stop is not None and should_stop():
+                    return None
+                part = token_ids[s: s + step]
+                out = self.net.forward(self._as_tensor(part), session.kv, all_logits=all_logits, chunk=ubatch)
+                if all_logits or s + step >= len(token_ids):
+                    outs.append(out)
+                session.tokens.extend(part)
+                done += len(part)
+        finally:
+            self.last_prefill = PrefillStats(done, -(-done // step) if done else 0,
+                                             self._read_bytes() - before, time.perf_counter() - t0)
         return torch.cat(outs) if all_logits else outs[-1][-1]
+
+    def _read_bytes(self) -> int:
+        return self.experts.telemetry_.total()["copied_bytes"]
 
     def _as_tensor(self, token_ids) -> torch.Tensor:
         ids = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids,
@@ -273,14 +324,16 @@ def default_model_path() -> Path:
 def load(path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
          dtype: str | torch.dtype | None = None, cache: CacheConfig | None = None,
          ctx_size: int | None = None, threads: int | None = None, kernels: str = "auto",
-         tokenizer: str | os.PathLike | None = None) -> Model:
+         tokenizer: str | os.PathLike | None = None, prefill_stretch: int = 4096,
+         prefill_mem: int | None = None) -> Model:
     """Load a Hugging Face MoE checkpoint directory or a GGUF file (the bundled model when `path`
     is None). `tokenizer` names a directory with a tokenizer.json to use instead of the model's.
 
     `threads` sets torch's CPU threads (None leaves them as they are). `kernels`: "auto" (native
     kernels for a bf16 model on the CPU where they build, torch's otherwise), "torch" or "native"
-    (see `kernels`). Every argument is
-    checked before a weight is read."""
+    (see `kernels`). `prefill_stretch`: tokens a long prompt's MoE ops run over per load of each
+    expert (`Model.prefill`), cut to what `prefill_mem` bytes of activations hold (default
+    2 GiB). Every argument is checked before a weight is read."""
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ExpertCacheError(f"threads {threads!r} must be an integer >= 1")
@@ -288,7 +341,11 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
         raise ExpertCacheError(f"ctx-size {ctx_size!r} must be an integer >= 1")
     if cache is not None and not isinstance(cache, CacheConfig):
         raise ExpertCacheError(f"cache must be a CacheConfig, got {type(cache).__name__}")
-    options = LoadOptions(_device(device), parse_dtype(dtype), cache or CacheConfig(), ctx_size, kernels)
+    for name, value in (("prefill-stretch", prefill_stretch), ("prefill-mem", prefill_mem)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ExpertCacheError(f"{name} {value!r} must be an integer >= 1")
+    options = LoadOptions(_device(device), parse_dtype(dtype), cache or CacheConfig(), ctx_size, kernels,
+                          prefill_stretch, prefill_mem or LoadOptions.prefill_mem)
     path = Path(path) if path is not None else default_model_path()
     if threads is not None:
         torch.set_num_threads(threads)

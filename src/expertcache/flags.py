@@ -36,6 +36,33 @@ def nonneg_int(text: str) -> int:
     return _int_at_least(0, text)
 
 
+def size_bytes(text: str) -> int:
+    """A positive size: '2GiB', '300MB' or a number of bytes."""
+    from .config import parse_size
+    from .errors import ExpertCacheError
+
+    try:
+        v = parse_size(text)
+    except ExpertCacheError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1 byte")
+    return v
+
+
+def add_prefill_flags(p) -> None:
+    """How a long prompt is scheduled (`Model.prefill`), for every command that loads a model."""
+    p.add_argument("--prefill-stretch", type=positive_int, default=4096, metavar="N",
+                   help="tokens the MoE ops of a long prompt run over per load of each expert (default: 4096)")
+    p.add_argument("--prefill-mem", type=size_bytes, default=None, metavar="SIZE",
+                   help="memory a stretch's activations may take; a longer stretch is cut (default: 2GiB)")
+
+
+def prefill_options(args) -> dict:
+    """The `load` arguments of `add_prefill_flags`."""
+    return {"prefill_stretch": args.prefill_stretch, "prefill_mem": args.prefill_mem}
+
+
 def add_kernels_flag(p) -> None:
     """`--kernels`, for every command that loads a model (`p` a parser or an argument group)."""
     p.add_argument("--kernels", choices=KERNELS, default="auto",
@@ -68,3 +95,20 @@ def cache_config(args) -> CacheConfig:
     return CacheConfig(mode=args.cache_mode, experts=args.cache_experts, mem=args.cache_mem,
                        fraction=args.cache_fraction, policy=args.cache_policy, store=args.store,
                        verify=args.cache_verify, trace_every=trace)
+
+
+def prefetch_width(text: str) -> float:
+    """`--prefetch-width W`: how many experts a prediction names per token, as a multiple of top-k
+    (1.0 = k, 1.5 = ceil(1.5 k)); 0 predicts nothing."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}: expected a multiple of top-k such as 1.5") from None
+    if not 0 <= v <= 64:
+        raise argparse.ArgumentTypeError(f"{text} must be in [0, 64] (a multiple of top-k)")
+    return v
+
+
+def add_prefetch_width_flag(p) -> None:
+    p.add_argument("--prefetch-width", type=prefetch_width, default=1.0, metavar="W",
+                   help="experts predicted per token as a multiple of top-k: 1.0 (default) = k, 1.5 = ceil(1.5 k)")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ExpertCacheError
-from ..flags import add_kernels_flag, cache_config, positive_int
+from ..flags import add_kernels_flag, add_prefill_flags, cache_config, positive_int, prefill_options
 
 
 def add_model_flags(p: argparse.ArgumentParser, ctx: bool = True) -> None:
@@ -22,6 +22,7 @@ def add_model_flags(p: argparse.ArgumentParser, ctx: bool = True) -> None:
     if ctx:
         p.add_argument("-c", "--ctx-size", type=positive_int, help="context size (default: the model's)")
     p.add_argument("--ubatch", type=positive_int, default=512, help="prefill micro-batch size (default: 512)")
+    add_prefill_flags(p)
     add_kernels_flag(p)
 
 
@@ -30,7 +31,7 @@ def load_model(args):
 
     model = load(args.model, device=args.device, dtype=args.dtype, cache=cache_config(args),
                  ctx_size=getattr(args, "ctx_size", None), threads=args.threads,
-                 kernels=args.kernels, tokenizer=args.tokenizer)
+                 kernels=args.kernels, tokenizer=args.tokenizer, **prefill_options(args))
     if model.ctx_size > model.cfg.max_position:  # as llama.cpp warns: it runs, quality may not hold
         print(f"expertcache: warning: -c {model.ctx_size} is beyond the {model.cfg.max_position} tokens the model "
               "was trained on; output past that length may degrade", file=sys.stderr, flush=True)

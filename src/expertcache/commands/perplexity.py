@@ -88,9 +88,10 @@ def _parse_modes(text: str) -> list[str]:
 
 def _load(args, cache):
     from ..engine import load
+    from ..flags import prefill_options
 
     return load(args.model, device=args.device, dtype=args.dtype, cache=cache, ctx_size=args.ctx_size,
-                threads=args.threads, kernels=args.kernels)
+                threads=args.threads, kernels=args.kernels, **prefill_options(args))
 
 
 def _tokenize(model, text: str, args) -> tuple[list[int], int | None]:

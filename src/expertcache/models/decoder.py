@@ -22,7 +22,7 @@ from ..telemetry import StepTimer
 from .gated_attention import rms_norm_fp32
 from .layers import KVCache, MLPWeights, Rotary
 from .mixers import Mixer
-from .moe import ExpertProvider, Routing, moe_experts, route
+from .moe import OP_BUFFERS, ExpertProvider, Routing, Workspace, moe_experts, route
 from .state import MAX_SNAPSHOTS, SNAPSHOT_EVERY, SequenceState
 from .window_cache import WindowKVCache
 
@@ -89,6 +89,8 @@ class Decoder:
         # A hook that sees each layer's residual stream once its mixer has run, before its
         # feed-forward block: (layer, h [T, D]). Predictors of the next layer's experts use it.
         self.residual_hook: Callable[[int, torch.Tensor], None] | None = None
+        # The MoE op's buffers, kept across ops (a prefill stretch needs hundreds of MB).
+        self.workspace = Workspace()
         # Set by benchmarks to split a step's time into parts; None costs nothing.
         self.timer: StepTimer | None = None
 
@@ -113,41 +115,59 @@ class Decoder:
                              self.snapshot_every, self.max_snapshots)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, kv: KVCache, all_logits: bool = True) -> torch.Tensor:
-        """Run tokens [T] after what `kv` holds; return logits [T, V] (or [1, V] for the last)."""
+    def forward(self, tokens: torch.Tensor, kv: KVCache, all_logits: bool = True,
+                chunk: int | None = None) -> torch.Tensor:
+        """Run tokens [T] after what `kv` holds; return logits [T, V] (or [1, V] for the last).
+
+        With `chunk` < T the forward runs layer by layer over the whole stretch of T tokens: each
+        layer's mixer runs over micro-batches of `chunk` tokens (attention's memory grows with
+        the tokens of a call), and its feed-forward block over all T at once, so that each MoE
+        layer is one op and each expert it uses is loaded once for the stretch.
+        """
         cfg, k, w, norm = self.cfg, self.kernels, self.weights, self.norm
         eps = cfg.rms_norm_eps
         lap = self.timer.lap if self.timer is not None else _no_lap
         if self.timer is not None:
             self.timer.start()
         T = tokens.shape[0]
+        chunk = T if chunk is None else max(1, min(chunk, T))
         kv.begin(T)
-        cos, sin = self.rotary(kv.length, T)
+        base = kv.length
+        if chunk < T:
+            kv.reserve(base + T)  # once: a reallocation would copy only the first `length` positions
+        cos, sin = self.rotary(base, T)
         act = cfg.hidden_act
         h = F.embedding(tokens, w.embed)  # [T, D]
         if w.embed_scale is not None:
             h = h * torch.tensor(w.embed_scale, dtype=h.dtype)
-        for i, lw in enumerate(w.layers):
-            h = h + lw.mixer(k, lw.attn, norm(h, lw.input_norm, eps), i, kv, cos, sin)
-            if self.residual_hook is not None:
-                self.residual_hook(i, h)
-            x = norm(h, lw.post_norm, eps)
-            lap("attention")
-            if lw.block is not None:
-                h = lw.block(self, lw, h, x, i)
-                continue
-            if lw.router is None:
-                h = h + k.swiglu(x, lw.dense.gate_up, lw.dense.down, act)
-                lap("dense_mlp")
-                continue
-            routing = self.hooked(i, route(k, x, lw.router, cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32))
-            lap("routing")
-            y = moe_experts(k, x, routing, self.provider, i, act)
-            if lw.shared is not None:
-                shared = k.swiglu(x, lw.shared.gate_up, lw.shared.down, act)  # [T, D]
-                y = y + torch.sigmoid(k.linear(x, lw.shared_gate)) * shared  # [T, D]
-            h = h + y
-            lap("experts")
+        try:
+            for i, lw in enumerate(w.layers):
+                if chunk == T:
+                    h = h + lw.mixer(k, lw.attn, norm(h, lw.input_norm, eps), i, kv, cos, sin)
+                else:
+                    h = h + self._mixer_chunks(lw, h, i, kv, cos, sin, base, chunk)
+                if self.residual_hook is not None:
+                    self.residual_hook(i, h)
+                x = norm(h, lw.post_norm, eps)
+                lap("attention")
+                if lw.block is not None:
+                    h = lw.block(self, lw, h, x, i)
+                    continue
+                if lw.router is None:
+                    h = h + k.swiglu(x, lw.dense.gate_up, lw.dense.down, act)
+                    lap("dense_mlp")
+                    continue
+                routing = self.hooked(i, route(k, x, lw.router, cfg.top_k, cfg.norm_topk_prob,
+                                               cfg.router_weights_fp32))
+                lap("routing")
+                y = moe_experts(k, x, routing, self.provider, i, act, self.workspace)
+                if lw.shared is not None:
+                    shared = k.swiglu(x, lw.shared.gate_up, lw.shared.down, act)  # [T, D]
+                    y = y + torch.sigmoid(k.linear(x, lw.shared_gate)) * shared  # [T, D]
+                h = h + y
+                lap("experts")
+        finally:
+            kv.seek(base)  # a failed forward leaves `length` where it was (the caches' rule)
         kv.advance(T)
         if not all_logits:
             h = h[-1:]
@@ -157,6 +177,32 @@ class Decoder:
             logits = torch.tanh(logits / w.logit_softcap) * w.logit_softcap
         lap("lm_head")
         return logits
+
+    def _mixer_chunks(self, lw: LayerWeights, h: torch.Tensor, layer: int, kv: KVCache, cos: torch.Tensor,
+                      sin: torch.Tensor, base: int, chunk: int) -> torch.Tensor:
+        """One layer's mixer over h [T, D] in micro-batches of `chunk` tokens, each after the
+        ones before it: [T, D]."""
+        norm, eps, T = self.norm, self.cfg.rms_norm_eps, h.shape[0]
+        out = torch.empty_like(h)
+        for s in range(0, T, chunk):
+            e = min(s + chunk, T)
+            kv.seek(base + s)
+            out[s:e] = lw.mixer(self.kernels, lw.attn, norm(h[s:e], lw.input_norm, eps), layer, kv,
+                                cos[s:e], sin[s:e])
+        return out
+
+    def activation_bytes(self, tokens: int) -> int:
+        """Memory a forward of `tokens` tokens needs beyond the weights and the KV cache: the
+        residual stream and its per-layer temporaries, the MoE op's buffers (`Workspace`) and
+        the router's probabilities. Attention's own buffers, bounded by the micro-batch, are not
+        counted."""
+        cfg = self.cfg
+        item = torch.empty((), dtype=self.dtype).element_size()
+        D, A, E = cfg.hidden_size, cfg.top_k, cfg.num_experts
+        widths = [lw.dense.gate_up.shape[0] for lw in self.weights.layers if lw.dense is not None]
+        stream = 6 * D + max(widths, default=0)      # h, x, mixer output, y, temporaries, a dense MLP
+        moe = OP_BUFFERS * A * D * item + 3 * A * 8  # the op's buffers, its index arrays
+        return tokens * (stream * item + moe + 2 * E * 4)
 
     def hooked(self, layer: int, routing: Routing) -> Routing:
         """A layer's routing after the override and the hook (benchmarks, traces) saw it."""

@@ -110,6 +110,12 @@ class KVCache:
     def begin(self, n: int) -> None:
         """A forward of n tokens starts (a hook for state that is not truncatable)."""
 
+    def seek(self, position: int) -> None:
+        """Within a forward, make the next append start at `position` (a forward over a long
+        stretch runs each layer's mixer micro-batch by micro-batch, `Decoder.forward`); the
+        forward seeks back to where it began before `advance`."""
+        self.length = position
+
     def advance(self, n: int) -> None:
         self.length += n
 

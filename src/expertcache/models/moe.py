@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from ..kernels import Kernels
+from ..memory import host_zeros
 from ..tiers.layout import ExpertWeights
 
 
@@ -52,12 +53,41 @@ def route(k: Kernels, x: torch.Tensor, router: torch.Tensor, top_k: int, normali
     return Routing(w, ids)
 
 
+class Workspace:
+    """The buffers of a multi-token MoE op, kept between ops and grown only when an op needs more
+    rows: a prefill stretch of thousands of tokens needs hundreds of MB of them, and allocating
+    them afresh for every layer costs a page fault per 4 KiB each time."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A [rows, D] buffer with `like`'s width, dtype and device; contents undefined."""
+        buf = self.buffers.get(name)
+        D = like.shape[1]
+        if (buf is None or buf.shape[0] < rows or buf.shape[1] != D or buf.dtype != like.dtype
+                or buf.device != like.device):
+            buf = self.buffers[name] = host_zeros((rows, D), like.dtype, like.device)
+        return buf[:rows]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
+
+
+# The [T*A, D] buffers of one op (`Workspace`): inputs grouped by expert, outputs likewise, outputs
+# by token.
+OP_BUFFERS = 3
+
+
 def moe_experts(k: Kernels, x: torch.Tensor, routing: Routing, provider: ExpertProvider,
-                layer: int, act: str = "silu") -> torch.Tensor:
+                layer: int, act: str = "silu", workspace: Workspace | None = None) -> torch.Tensor:
     T, D = x.shape
     A = routing.ids.shape[1]
     if T == 1:
         return _moe_one_token(k, x, routing, provider, layer, act)
+    if workspace is None:
+        workspace = Workspace()
     flat = routing.ids.reshape(-1)                              # [T*A]
     order = torch.argsort(flat, stable=True)                    # [T*A] rows grouped by expert id
     used_t, counts_t = torch.unique_consecutive(flat[order], return_counts=True)
@@ -67,14 +97,13 @@ def moe_experts(k: Kernels, x: torch.Tensor, routing: Routing, provider: ExpertP
     for e, c in zip(used, counts):
         start[e] = (acc, acc + c)
         acc += c
-    xs = x[order // A]                                          # [T*A, D] inputs grouped by expert
-    ys = torch.empty_like(xs)                                   # [T*A, D] outputs, same grouping
+    xs = torch.index_select(x, 0, order // A, out=workspace.take("xs", T * A, x))  # [T*A, D] grouped by expert
+    ys = workspace.take("ys", T * A, x)                         # [T*A, D] outputs, same grouping
     for wave in provider.acquire(layer, used):
         for e, w in wave:
             a, b = start[e]
             ys[a:b] = k.expert(xs[a:b], w, act)                 # [n, D]
-    out = torch.empty_like(ys)
-    out[order] = ys                                             # [T*A, D] by token, then rank
+    out = workspace.take("out", T * A, x).index_copy_(0, order, ys)  # [T*A, D] by token, then rank
     # The weighted sum over ranks as one batched product, [T, 1, A] x [T, A, D], accumulated in
     # fp32 by the matrix kernel and rounded once.
     w = routing.weights.to(out.dtype).unsqueeze(1)                # [T, 1, A]
