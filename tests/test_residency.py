@@ -177,3 +177,94 @@ def test_invariants_under_random_ops(name):
             assert res.key_in(res.slot_of(k)) == k
         for lay in range(3):
             assert res.resident_mask(lay) == sum(1 << k.expert for k in keys if k.layer == lay)
+
+
+# ---- prefetch ------------------------------------------------------------------------------------
+
+
+def test_prefetch_by_hand():
+    res = lru(4)
+    res.plan(0, [0, 1])  # slots 0 1; LRU order (0,0) (0,1)
+    # two free slots: both predicted keys planned, as one run, in id order; the op's keys pinned
+    pf = res.plan_prefetch(1, [3, 2])
+    assert (pf.experts, pf.slots, pf.copy_runs, pf.evicted, pf.dropped) == ([2, 3], [2, 3], [(2, 2, 2)], [], [])
+    assert pf.pinned == [K(0, 0), K(0, 1)]
+    assert res.prefetched_unused() == [K(1, 2), K(1, 3)] and res.resident_mask(1) == 0b1100
+    # the next op hits the prefetched 2 (a prefetch used) and misses 5, which evicts (0,0): LRU
+    # order (0,0) (0,1) (1,3) (1,2) after the hit
+    p = res.plan(1, [2, 5])
+    assert (p.hits, p.misses, p.prefetched, p.evicted, p.wasted) == ([2], [5], [2], [K(0, 0)], [])
+    assert res.prefetched_unused() == [K(1, 3)]
+    # room for 2 of 3 (4 slots, the op's 2 keys pinned): the best two, 7 and 1, are planned, 0
+    # dropped; LRU order (0,1) (1,3) (1,2) (1,5): it evicts (0,1), then (1,3), an unused prefetch,
+    # so wasted. 1 and 7 are not consecutive: two copies, into the freed slots 1 and 3.
+    pf = res.plan_prefetch(2, [7, 1, 0])
+    assert (pf.experts, pf.dropped, pf.evicted, pf.wasted) == ([1, 7], [0], [K(0, 1), K(1, 3)], [K(1, 3)])
+    assert (pf.slots, pf.copy_runs, pf.pinned) == ([1, 3], [(1, 1, 1), (7, 3, 1)], [K(1, 2), K(1, 5)])
+    # predicted keys already resident cost nothing and change nothing
+    pf = res.plan_prefetch(2, [1, 7])
+    assert (pf.experts, pf.evicted, pf.dropped) == ([], [], [])
+    p = res.plan(2, [0, 1])
+    assert (p.hits, p.prefetched, p.misses, p.evicted) == ([1], [1], [0], [K(1, 2)])
+    assert res.prefetched_unused() == [K(2, 7)]
+    # an invalidated prefetch is forgotten: neither used nor wasted
+    assert res.invalidate([K(2, 7)]) == [K(2, 7)] and res.prefetched_unused() == []
+    p = res.plan(2, [7])
+    assert p.prefetched == [] and p.misses == [7]
+
+
+def test_a_prefetch_never_evicts_the_op_in_flight():
+    # capacity 2, the op uses both slots: nothing can be planned, the policy is not even asked
+    res = Residency(2, make_policy("lrfu", 2))
+    res.plan(0, [0, 1])
+    pf = res.plan_prefetch(0, [2, 3])
+    assert (pf.experts, pf.evicted, pf.dropped) == ([], [], [2, 3])
+    assert res.resident_keys() == [K(0, 0), K(0, 1)]
+    # an op that ran in waves leaves only its own keys in the pool (its first wave filled every
+    # slot): all pinned, nothing is planned
+    res = lru(2)
+    res.plan(0, [0, 1, 2])  # waves {0,1} then {2}, which evicts (0,0)
+    pf = res.plan_prefetch(1, [0])
+    assert pf.pinned == [K(0, 1), K(0, 2)] and (pf.experts, pf.evicted, pf.dropped) == ([], [], [0])
+    with pytest.raises(ValueError, match="distinct"):
+        res.plan_prefetch(1, [3, 3])
+    assert res.plan_prefetch(1, []).experts == []
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_invariants_under_random_ops_with_prefetch(name):
+    rng = random.Random("pf" + name)
+    capacity = 5
+    res = Residency(capacity, make_policy(name, capacity))
+    marked: set = set()  # our own account of the unused prefetches
+    for i in range(400):
+        layer = rng.randrange(3)
+        experts = sorted(rng.sample(range(8), rng.randint(1, 7)))
+        before = set(res.resident_keys())
+        p = res.plan(layer, experts)
+        assert p.prefetched == [e for e in p.hits if K(layer, e) in marked]
+        marked -= {K(layer, e) for e in p.hits}  # used, even if a later wave evicts them
+        assert set(p.wasted) == set(p.evicted) & marked
+        marked -= set(p.evicted)
+        assert p.hits == [e for e in experts if K(layer, e) in before]
+        in_flight = {K(layer, e) for e in experts} & set(res.resident_keys())
+        nxt = rng.randrange(3)
+        predicted = rng.sample(range(8), rng.randint(0, 6))
+        before = set(res.resident_keys())
+        pf = res.plan_prefetch(nxt, predicted)
+        assert not set(pf.evicted) & in_flight and set(pf.pinned) == in_flight
+        assert set(pf.wasted) == set(pf.evicted) & marked
+        planned = {K(nxt, e) for e in pf.experts}
+        assert not planned & before and planned | {K(nxt, e) for e in pf.dropped} == \
+            {K(nxt, e) for e in predicted} - before
+        assert [e for e in predicted if K(nxt, e) not in before][:len(pf.experts)] == \
+            [e for e in predicted if K(nxt, e) in planned]  # the best ones were planned
+        assert sum(n for _, _, n in pf.copy_runs) == len(pf.experts)
+        marked = (marked - set(pf.evicted)) | planned
+        assert res.prefetched_unused() == sorted(marked)
+        keys = res.resident_keys()
+        assert len(keys) <= capacity and len(res.policy) == len(keys) and all(k in res.policy for k in keys)
+        assert sorted([res.slot_of(k) for k in keys] + res.free_slots()) == list(range(capacity))
+        assert [res.slot_of(K(nxt, e)) for e in pf.experts] == pf.slots
+        for lay in range(3):
+            assert res.resident_mask(lay) == sum(1 << k.expert for k in keys if k.layer == lay)

@@ -118,3 +118,46 @@ def test_belady_matches_brute_force_when_every_op_fits():
         else:
             waved += 1
     assert fitting >= 100 and waved >= 40  # both kinds were exercised
+
+
+# ---- prefetch ------------------------------------------------------------------------------------
+
+
+def test_prefetch_counts_a_hand_trace():
+    # capacity 3, LRU. Op i's prediction is planned right after op i - 1, pinning op i - 1's keys.
+    # op 0 (0,[0 1]): both miss, slots 0 1.  pf [3 2] for op 1: room for one (2 pinned of 3): 3,
+    #   the best, into slot 2 (a wrong guess).
+    # op 1 (1,[0 2]): both miss, evict (0,0) (0,1); 0 -> slot 0, 2 -> slot 1 (two copies).
+    #   pf [0] for op 2: evicts (1,3), an unused prefetch (wasted); (0,0) into slot 2.
+    # op 2 (0,[0 1]): 0 hits (a prefetch used), 1 misses and evicts (1,0).
+    #   pf [3] for op 3: evicts (1,2); (1,3) into slot 1.
+    # op 3 (1,[2 3]): 3 hits (used), 2 misses and evicts (0,0).
+    ops = [(0, [0, 1]), (1, [0, 2]), (0, [0, 1]), (1, [2, 3])]
+    predictions = [None, [3, 2], [0], [3]]
+    r = simulate(ops, 3, "lru", 10, predictions)
+    assert r == SimResult(policy="lru", capacity=3, ops=4, hits=2, misses=6, compulsory_misses=5, evictions=6,
+                          bytes_moved=(6 + 3) * 10, copy_ranges=8, prefetch_issued=3, prefetch_used=2,
+                          prefetch_wasted=1)
+    with pytest.raises(ValueError, match="3 predictions for 4 ops"):
+        simulate(ops, 3, "lru", 10, predictions[:3])
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_prefetch_off_is_the_demand_only_replay(name):
+    for capacity, ops in random_traces(60, seed=1):
+        demand = simulate(ops, capacity, name, 3)
+        assert simulate(ops, capacity, name, 3, [None] * len(ops)) == demand
+        assert simulate(ops, capacity, name, 3, [[]] * len(ops)) == demand
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_perfect_predictions_leave_only_the_first_ops_misses(name):
+    # With room for two ops, every op but the first is prefetched whole while its predecessor is
+    # pinned, and used at once: no demand miss after op 0, nothing wasted.
+    for capacity, ops in random_traces(60, seed=2):
+        capacity = 2 * max(len(e) for _, e in ops)
+        r = simulate(ops, capacity, name, 1, [experts for _, experts in ops])
+        assert r.misses == len(ops[0][1]), (capacity, ops)
+        assert r.prefetch_used == r.prefetch_issued and r.prefetch_wasted == 0
+        assert r.hits == sum(len(e) for _, e in ops[1:])
+        assert r.bytes_moved == r.misses + r.prefetch_issued

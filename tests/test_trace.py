@@ -17,6 +17,7 @@ from expertcache.bench.trace import (
     load_trace,
     parse_prompts,
     popularity,
+    prediction_quality,
     reuse_distances,
     run_prompts,
     save_trace,
@@ -75,25 +76,35 @@ def test_recording_changes_nothing_and_matches_the_reference_router(ckpt):
 def test_save_load_round_trip_and_format(ckpt, tmp_path):
     _, path = ckpt
     model = load(path)
-    rec = TraceRecorder.for_model(model, meta={"note": "test"})
+    rec = TraceRecorder.for_model(model, meta={"note": "test"}, predict=True)
     rec.generate(model, PROMPT, max_tokens=5, ubatch=8, ignore_eos=True)
     trace = rec.trace()
+    assert trace.has_predictions and trace.pred.shape == (len(trace.ids), 4)
     f = tmp_path / "t.npz"
     save_trace(trace, f)
     back = load_trace(f)
     assert back.header == trace.header and back.header.meta == {"note": "test"}
-    for k in ("layer", "tokens", "phase", "ids"):
+    for k in ("layer", "tokens", "phase", "ids", "pred", "predicted"):
         assert np.array_equal(getattr(back, k), getattr(trace, k)), k
     assert back.ops() == trace.ops()
     assert all(experts == sorted(set(experts)) for _, experts in back.ops())
+    assert back.predictions(1.5) == trace.predictions(1.5)
     # the documented on-disk layout (docs/traces.md)
     with np.load(f) as z:
-        assert sorted(z.files) == ["header", "ids", "layer", "phase", "tokens"]
+        assert sorted(z.files) == ["header", "ids", "layer", "phase", "pred", "predicted", "tokens"]
         header = json.loads(str(z["header"][()]))
         assert z["ids"].dtype == np.uint8 and z["layer"].dtype == np.int32
-    assert header == {"format": "expertcache-trace", "version": 1, "num_experts": 8, "num_layers": 3,
+        assert z["pred"].dtype == np.uint8 and z["predicted"].dtype == np.uint8
+    assert header == {"format": "expertcache-trace", "version": 2, "num_experts": 8, "num_layers": 3,
                       "moe_layers": [0, 1, 2], "top_k": 2, "expert_bytes": 3 * 64 * 32 * 4,
-                      "model": str(path), "meta": {"note": "test"}}
+                      "model": str(path), "meta": {"note": "test"}, "pred_width": 4, "predictor": "router"}
+    # without predictions: the same entries, `pred` 0 wide and no op predicted
+    plain = TraceRecorder.for_model(model)
+    plain.generate(model, PROMPT, max_tokens=3, ignore_eos=True)
+    save_trace(plain.trace(), f)
+    back = load_trace(f)
+    assert not back.has_predictions and back.pred.shape == (len(back.ids), 0)
+    assert back.predictions(1.0) == [None] * back.num_ops
 
 
 def _write(path, header=None, **arrays):
@@ -105,10 +116,45 @@ def _write(path, header=None, **arrays):
     return path
 
 
+def _write2(path, header=None, **arrays):
+    """A version 2 trace: `_write`'s ops with predictions of width 3 (op 1 not predicted)."""
+    a = {"pred": np.array([[1, 2, 0], [3, 1, 2], [0, 0, 0]]), "predicted": np.array([1, 0])} | arrays
+    return _write(path, {"version": 2, "pred_width": 3, "predictor": "router"} | (header or {}), **a)
+
+
 def test_a_hand_written_trace_loads(tmp_path):
-    t = load_trace(_write(tmp_path / "ok.npz"))
+    t = load_trace(_write(tmp_path / "ok.npz"))  # version 1: no predictions
     assert t.ops() == [(0, [0, 1]), (1, [0, 1, 2, 3])]
     assert t.header.total_experts == 8
+    assert not t.has_predictions and t.header.pred_width == 0 and t.predictions(2.0) == [None, None]
+    t = load_trace(_write2(tmp_path / "ok2.npz"))
+    assert t.ops() == [(0, [0, 1]), (1, [0, 1, 2, 3])] and t.header.predictor == "router"
+    # width 1.0 = top-2: experts 1 and 2 of op 0's token; 1.5 = 3 (all stored); op 1 has none
+    assert t.predictions(1.0) == [[1, 2], None] and t.predictions(1.5) == t.predictions(5.0) == [[1, 2, 0], None]
+    assert t.predictions(0) == [None, None]
+
+
+def test_prediction_quality_by_hand():
+    h = TraceHeader(num_experts=8, num_layers=2, moe_layers=(0, 1), top_k=2, expert_bytes=1, pred_width=4)
+    # op 0 (layer 0, prefill, 2 tokens) uses {0, 1, 2}; op 1 (layer 1, decode) uses {4, 5};
+    # op 2 (layer 1, decode) uses {4, 6}; op 3 (layer 0, decode) has no prediction
+    ids = np.array([[0, 1], [2, 1], [4, 5], [6, 4], [0, 1]])
+    pred = np.array([[1, 3, 0, 7], [1, 2, 3, 4], [5, 6, 4, 0], [7, 1, 2, 3], [0, 0, 0, 0]])
+    trace = Trace(h, np.array([0, 1, 1, 0]), np.array([2, 1, 1, 1]), np.array([0, 1, 1, 1], dtype=np.uint8),
+                  ids, pred, np.array([1, 1, 1, 0], dtype=np.uint8))
+    pre = prediction_quality(trace, "prefill")
+    # width 1.0: tokens' top-2 {1,3} | {1,2} = {1,2,3}: 2 of 3 used were predicted, 2 of 3 predicted used
+    # width 2.0: {0,1,2,3,4,7}: 3 of 3 used, 3 of 6 predicted
+    assert set(pre) == {0} and pre[0]["ops"] == 1 and pre[0]["used"] == 3
+    assert pre[0]["widths"]["1.0"] == {"predicted": 3, "correct": 2, "recall": 2 / 3, "precision": 2 / 3}
+    assert pre[0]["widths"]["2.0"] == {"predicted": 6, "correct": 3, "recall": 1.0, "precision": 0.5}
+    dec = prediction_quality(trace, "decode")
+    # layer 1, width 1.0: op 1 {5,6} vs {4,5}: 1; op 2 {7,1} vs {4,6}: 0 -> recall 1/4, precision 1/4
+    # width 1.5 (3): {5,6,4}: 2; {7,1,2}: 0 -> 2/4, 2/6. The unpredicted op 3 of layer 0 is left out.
+    assert set(dec) == {1} and dec[1]["ops"] == 2
+    assert dec[1]["widths"]["1.0"]["recall"] == 0.25 and dec[1]["widths"]["1.0"]["precision"] == 0.25
+    assert dec[1]["widths"]["1.5"]["recall"] == 0.5 and dec[1]["widths"]["1.5"]["precision"] == pytest.approx(1 / 3)
+    assert prediction_quality(Trace(h, trace.layer, trace.tokens, trace.phase, ids), None) == {}
 
 
 @pytest.mark.parametrize("make, message", [
@@ -117,7 +163,13 @@ def test_a_hand_written_trace_loads(tmp_path):
     (lambda d: (d / "text.npz").write_text("hello") and d / "text.npz", "not an expertcache trace"),
     (lambda d: _write(d / "a.npz", ids=None), "missing ids"),
     (lambda d: _write(d / "b.npz", {"format": "other"}), "header format"),
-    (lambda d: _write(d / "c.npz", {"version": 2}), "version 2 is not supported"),
+    (lambda d: _write(d / "c.npz", {"version": 3}), "version 3 is not supported"),
+    (lambda d: _write(d / "c2.npz", {"version": 2}), "version 2: missing pred, predicted"),
+    (lambda d: _write2(d / "c3.npz", pred=np.array([[1, 2], [3, 1], [0, 0]])), "array 'pred' has shape"),
+    (lambda d: _write2(d / "c4.npz", pred=np.array([[1, 9, 0], [3, 1, 2], [0, 0, 0]])), "predicted expert id 9"),
+    (lambda d: _write2(d / "c5.npz", pred=np.array([[1, 2, 1], [3, 1, 2], [0, 0, 0]])), "repeat an id"),
+    (lambda d: _write2(d / "c6.npz", predicted=np.array([1, 2])), "'predicted' must be 2 flags"),
+    (lambda d: _write2(d / "c7.npz", {"pred_width": 9}), "'pred_width' must be an integer in"),
     (lambda d: _write(d / "d.npz", {"top_k": 0}), "'top_k' must be a positive integer"),
     (lambda d: _write(d / "e.npz", {"moe_layers": [1, 0]}), "moe_layers"),
     (lambda d: _write(d / "f.npz", ids=np.array([[0, 1], [2, 4], [1, 0]])), "expert id 4 out of range"),
@@ -265,3 +317,37 @@ def test_command_line_record_simulate_stats(ckpt, tmp_path, capsys):
     assert main(["trace", "stats", str(out), "--phase", "decode"]) == 0
     stats = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert set(stats["layers"]) == {"0", "1", "2"} and stats["layers"]["0"]["uses"] > 0
+    # predictions are recorded by default: quality per phase, prefetch replayed beside each policy
+    assert t.has_predictions and t.header.pred_width == 4
+    assert set(stats["prediction"]) == {"decode"}
+    q = stats["prediction"]["decode"]["1"]["widths"]
+    assert set(q) == {"1.0", "1.5", "2.0"} and 0 <= q["1.0"]["recall"] <= q["2.0"]["recall"] <= 1
+    assert main(["trace", "stats", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert set(json.loads(lines[-1])["prediction"]) == {"prefill", "decode"}
+    assert any(line.startswith("prediction (router predictor)") for line in lines)
+
+    assert main(["trace", "simulate", str(out), "--capacity", "25%", "--policy", "lru,lrfu", "--prefetch",
+                 "--prefetch-width", "1.5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    result = json.loads(lines[-1])
+    assert result["prefetch_width"] == 1.5
+    rows = [(r["policy"], r["prefetch"]) for r in result["results"]]
+    assert rows == [("belady", False), ("lru", False), ("lru", True), ("lrfu", False), ("lrfu", True)]
+    pf = result["results"][2]
+    want = simulate(t.ops(), 6, "lru", t.header.expert_bytes, t.predictions(1.5))
+    assert (pf["misses"], pf["prefetch_issued"], pf["prefetch_used"], pf["prefetch_wasted"]) == (
+        want.misses, want.prefetch_issued, want.prefetch_used, want.prefetch_wasted) and want.prefetch_issued > 0
+    assert any("lru+pf" in line for line in lines)
+
+    out3 = tmp_path / "plain.npz"
+    assert main(["trace", "record", "-m", str(path), "-f", str(text), "-n", "2", "--no-predictions",
+                 "-o", str(out3)]) == 0
+    capsys.readouterr()
+    assert not load_trace(out3).has_predictions
+    assert main(["trace", "simulate", str(out3), "--prefetch"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--prefetch needs a trace with predictions" in err
+    with pytest.raises(SystemExit) as e:
+        main(["trace", "simulate", str(out), "--prefetch-width", "-1"])
+    assert e.value.code == 2 and "must be in [0, 64]" in capsys.readouterr().err

@@ -4,6 +4,11 @@ A trace is a list of ops, each `(layer, experts)` with `experts` the sorted dist
 uses. `simulate` runs it through `tiers.residency.Residency` and a policy, exactly as the cache
 would; `simulate_belady` does the same with Belady's MIN; `brute_force_min_misses` searches every
 eviction choice (tiny traces only) and is the reference the other two are tested against.
+
+With `predictions` (op i's predicted experts, best first, or None), `simulate` also replays
+prefetch: right after op i is planned, the prediction of op i + 1 is planned with
+`Residency.plan_prefetch` (docs/cache.md, "Prefetch"), so a correct prediction turns a miss of op
+i + 1 into a prefetch used and moves the copy off the demand path.
 """
 
 from __future__ import annotations
@@ -27,9 +32,14 @@ class SimResult:
     hits: int
     misses: int
     compulsory_misses: int  # first uses: no cache avoids them
-    evictions: int
-    bytes_moved: int  # misses x expert size
+    evictions: int  # by ops and by prefetches
+    bytes_moved: int  # (misses + prefetch_issued) x expert size
     copy_ranges: int  # transfers after merging runs of consecutive experts into consecutive slots
+    # Prefetch (all 0 without predictions). `misses` are then the demand misses: used experts
+    # neither resident nor planned by a prefetch when their op began.
+    prefetch_issued: int = 0  # experts a prefetch planned (each one copy)
+    prefetch_used: int = 0  # of those, hit by an op before being evicted
+    prefetch_wasted: int = 0  # of those, evicted before any op used them
 
     @property
     def hit_rate(self) -> float:
@@ -45,23 +55,39 @@ def trace_keys(ops: Sequence[Op]) -> list[list[ExpertKey]]:
     return [[ExpertKey(layer, e) for e in experts] for layer, experts in ops]
 
 
-def simulate(ops: Sequence[Op], capacity: int, policy: str | Policy, expert_bytes: int) -> SimResult:
-    """Replay `ops` through a `Residency` of `capacity` slots with `policy` (a name or a fresh policy)."""
+def simulate(ops: Sequence[Op], capacity: int, policy: str | Policy, expert_bytes: int,
+             predictions: Sequence[Sequence[int] | None] | None = None) -> SimResult:
+    """Replay `ops` through a `Residency` of `capacity` slots with `policy` (a name or a fresh policy).
+
+    `predictions[i]`: the experts predicted for op i (distinct, best first; None or empty: none),
+    planned as a prefetch right after op i - 1. None: no prefetch (the demand-only replay).
+    """
     if isinstance(policy, str):
         policy = make_policy(policy, capacity)
+    if predictions is not None and len(predictions) != len(ops):
+        raise ValueError(f"{len(predictions)} predictions for {len(ops)} ops: expected one (or None) per op")
     residency = Residency(capacity, policy)
     hits = misses = evictions = ranges = 0
+    issued = used = wasted = 0
     first_uses = 0
     seen: dict[int, int] = {}  # layer -> bitset of the experts used so far
-    for layer, experts in ops:
+    for i, (layer, experts) in enumerate(ops):
         plan = residency.plan(layer, experts)
         hits += len(plan.hits)
         misses += len(plan.misses)
         evictions += len(plan.evicted)
         ranges += plan.copy_ranges
+        used += len(plan.prefetched)
+        wasted += len(plan.wasted)
         before = seen.get(layer, 0)
         seen[layer] = after = before | sum(1 << e for e in experts)
         first_uses += (after & ~before).bit_count()
+        if predictions is not None and i + 1 < len(ops) and predictions[i + 1]:
+            pf = residency.plan_prefetch(ops[i + 1][0], predictions[i + 1])
+            issued += len(pf.experts)
+            evictions += len(pf.evicted)
+            ranges += len(pf.copy_runs)
+            wasted += len(pf.wasted)
     return SimResult(
         policy=policy.name,
         capacity=capacity,
@@ -70,8 +96,11 @@ def simulate(ops: Sequence[Op], capacity: int, policy: str | Policy, expert_byte
         misses=misses,
         compulsory_misses=first_uses,
         evictions=evictions,
-        bytes_moved=misses * expert_bytes,
+        bytes_moved=(misses + issued) * expert_bytes,
         copy_ranges=ranges,
+        prefetch_issued=issued,
+        prefetch_used=used,
+        prefetch_wasted=wasted,
     )
 
 
@@ -152,6 +181,7 @@ class Comparison:
     result: SimResult
     belady: SimResult
     waved_ops: int  # ops using more experts than there are slots (run in waves)
+    prefetch: bool = False  # `result` replayed prefetch from recorded predictions
 
     @property
     def misses_vs_belady(self) -> float | None:
@@ -159,12 +189,16 @@ class Comparison:
 
     @property
     def noncompulsory_vs_belady(self) -> float | None:
-        """The ratio over the misses any cache could avoid (misses minus first uses)."""
+        """The ratio over the misses any demand-loading cache could avoid (misses minus first uses);
+        None with prefetch, which avoids first uses too."""
+        if self.prefetch:
+            return None
         c = self.result.compulsory_misses
         return _ratio(self.result.misses - c, self.belady.misses - c)
 
     def as_dict(self) -> dict[str, object]:
-        return self.result.as_dict() | {"waved_ops": self.waved_ops, "belady_misses": self.belady.misses,
+        return self.result.as_dict() | {"prefetch": self.prefetch, "waved_ops": self.waved_ops,
+                                        "belady_misses": self.belady.misses,
                                         "misses_vs_belady": self.misses_vs_belady,
                                         "noncompulsory_vs_belady": self.noncompulsory_vs_belady}
 
@@ -176,13 +210,18 @@ def _ratio(a: int, b: int) -> float | None:
 
 
 def compare(ops: Sequence[Op], capacities: Sequence[int], policies: Sequence[str],
-            expert_bytes: int) -> list[Comparison]:
-    """Belady's MIN and every policy in `policies`, at every capacity, in that order."""
+            expert_bytes: int, predictions: Sequence[Sequence[int] | None] | None = None) -> list[Comparison]:
+    """Belady's MIN and every policy in `policies`, at every capacity, in that order; with
+    `predictions`, each policy's row is followed by the same policy with prefetch."""
     sizes = [len(experts) for _, experts in ops]
     out = []
     for capacity in capacities:
         waved = sum(1 for n in sizes if n > capacity)
         belady = simulate_belady(ops, capacity, expert_bytes)
         out.append(Comparison(belady, belady, waved))
-        out.extend(Comparison(simulate(ops, capacity, name, expert_bytes), belady, waved) for name in policies)
+        for name in policies:
+            out.append(Comparison(simulate(ops, capacity, name, expert_bytes), belady, waved))
+            if predictions is not None:
+                out.append(Comparison(simulate(ops, capacity, name, expert_bytes, predictions), belady, waved,
+                                      prefetch=True))
     return out

@@ -2,11 +2,14 @@
 
 A trace holds, for each MoE op in execution order, the layer, the number of tokens, the phase
 (prefill or decode) and each token's expert ids in router-rank order, plus a header describing the
-model (expert count, layer count, top-k, bytes per expert). On disk it is one compressed `.npz`
-(see docs/traces.md, written so that traces recorded elsewhere can be converted to it). Recording
-only reads the routing: the outputs of a run are the same with and without it.
+model (expert count, layer count, top-k, bytes per expert). Since version 2 it may also hold, for
+each op, the experts a predictor ranked for each of its tokens before its router ran
+(`models/predict.py`). On disk it is one compressed `.npz` (see docs/traces.md, written so that
+traces recorded elsewhere can be converted to it). Recording only reads the routing and the
+hidden state: the outputs of a run are the same with and without it.
 
-N = ops, R = routed token rows (the sum of the ops' token counts), K = top-k.
+N = ops, R = routed token rows (the sum of the ops' token counts), K = top-k, P = experts
+predicted per token (`pred_width`).
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import numpy as np
 from ..errors import ExpertCacheError
 
 FORMAT = "expertcache-trace"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # versions read; version 1 has no predictions
 PHASES = ("prefill", "decode")  # the codes 0 and 1 of the `phase` array
 ARRAYS = ("layer", "tokens", "phase", "ids")
+PRED_ARRAYS = ("pred", "predicted")  # version 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +43,8 @@ class TraceHeader:
     expert_bytes: int  # bytes of one expert (all its matrices) as the cache holds it
     model: str = ""  # where the trace came from: a path or a name
     meta: dict = field(default_factory=dict)  # how it was recorded (free-form, JSON)
+    pred_width: int = 0  # experts ranked per token by the predictor (0: no predictions)
+    predictor: str = ""  # which predictor ranked them
 
     @property
     def total_experts(self) -> int:
@@ -46,7 +53,8 @@ class TraceHeader:
     def as_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "num_experts": self.num_experts,
                 "num_layers": self.num_layers, "moe_layers": list(self.moe_layers), "top_k": self.top_k,
-                "expert_bytes": self.expert_bytes, "model": self.model, "meta": self.meta}
+                "expert_bytes": self.expert_bytes, "model": self.model, "meta": self.meta,
+                "pred_width": self.pred_width, "predictor": self.predictor}
 
 
 @dataclass(frozen=True)
@@ -56,10 +64,31 @@ class Trace:
     tokens: np.ndarray  # [N] tokens routed by each op
     phase: np.ndarray  # [N] 0 = prefill, 1 = decode
     ids: np.ndarray  # [R, K] expert ids of each token, router-rank order; op i owns the next tokens[i] rows
+    pred: np.ndarray | None = None  # [R, P] predicted expert ids of each token, best first (P = pred_width)
+    predicted: np.ndarray | None = None  # [N] 1 where op i has a prediction (its rows of `pred` hold it)
 
     @property
     def num_ops(self) -> int:
         return len(self.layer)
+
+    @property
+    def has_predictions(self) -> bool:
+        return self.predicted is not None and bool(self.predicted.any())
+
+    def predictions(self, width: float) -> list[list[int] | None]:
+        """Each op's prediction at `width` (a multiple of top-k, as `--prefetch-width`): the union
+        of its tokens' ceil(width x K) best predicted experts (at most `pred_width`), by best rank
+        then id; None for ops without one (and for every op at width 0)."""
+        from ..models.predict import op_prediction, width_experts
+
+        n = width_experts(width, self.header.top_k, self.header.pred_width)
+        out: list[list[int] | None] = [None] * self.num_ops
+        if n == 0 or not self.has_predictions:
+            return out
+        ends = np.cumsum(self.tokens)
+        for i in np.flatnonzero(self.predicted):
+            out[i] = op_prediction(self.pred[ends[i] - self.tokens[i]: ends[i], :n].tolist(), n)
+        return out
 
     def decode_tokens(self) -> int:
         """Tokens decoded: decode ops of the first MoE layer (one per generated token after the first)."""
@@ -87,7 +116,8 @@ class Trace:
 
 
 class TraceRecorder:
-    """A routing hook that keeps each MoE op's expert ids; `trace()` assembles the result.
+    """A routing hook that keeps each MoE op's expert ids (and, with `predict`, what the predictor
+    ranked for it); `trace()` assembles the result.
 
     Ops are recorded as prefill; `generate` labels the ops of each call after it returns (the
     engine's own prefill/decode split, known from the tokens it reports as processed).
@@ -97,19 +127,27 @@ class TraceRecorder:
         self.header = header
         self._layers: list[int] = []
         self._ids: list = []  # torch tensors [T, K], kept on their device until `trace()`
+        self._pred: list = []  # torch tensors [T, P] or None
         self._phase: list[int] = []
+        self.predictor = None  # a `models.predict.RouterPredictor` while attached, if predicting
 
     @classmethod
-    def for_model(cls, model, meta: dict | None = None) -> TraceRecorder:
+    def for_model(cls, model, meta: dict | None = None, predict: bool = False) -> TraceRecorder:
+        """A recorder for `model`; with `predict`, each op's prediction by the default predictor
+        (the next layer's router on the residual; the first MoE layer from the embeddings), ranked
+        2 x top-k wide (so that widths up to 2.0 can be evaluated)."""
         cfg = model.cfg
+        width = min(cfg.num_experts, 2 * cfg.top_k) if predict else 0
         return cls(TraceHeader(cfg.num_experts, cfg.num_layers, tuple(cfg.moe_layers), cfg.top_k,
-                               max(model.experts.expert_bytes.values()), str(model.path), dict(meta or {})))
+                               max(model.experts.expert_bytes.values()), str(model.path), dict(meta or {}),
+                               pred_width=width, predictor="router" if predict else ""))
 
     def __call__(self, layer: int, routing) -> None:
         # A copy, so that nothing the forward does later can change what was recorded; no host
         # synchronisation here (a GPU run is not slowed op by op).
         self._layers.append(layer)
         self._ids.append(routing.ids.detach().clone())
+        self._pred.append(self.predictor.take(layer) if self.predictor is not None else None)
         self._phase.append(0)
 
     def __len__(self) -> int:
@@ -117,13 +155,35 @@ class TraceRecorder:
 
     @contextmanager
     def attached(self, model) -> Iterator[TraceRecorder]:
-        """Record every MoE op `model` runs inside the block; the previous hook comes back after."""
-        previous = model.net.routing_hook
-        model.net.routing_hook = self
+        """Record every MoE op `model` runs inside the block; the previous hooks come back after.
+
+        With predictions, the predictor is the decoder's residual hook, and `forward` is wrapped
+        on the decoder instance to hand each forward's tokens to the predictor first (the decoder
+        has no hook that sees the tokens).
+        """
+        net = model.net
+        previous = net.routing_hook, net.residual_hook
+        net.routing_hook = self
+        if self.header.pred_width:
+            from ..models.predict import RouterPredictor
+
+            self.predictor = predictor = RouterPredictor(net, self.header.pred_width)
+            forward = net.forward
+
+            def predicting_forward(tokens, *args, **kwargs):
+                predictor.clear()
+                predictor.predict_first(tokens)
+                return forward(tokens, *args, **kwargs)
+
+            net.residual_hook = predictor
+            net.forward = predicting_forward
         try:
             yield self
         finally:
-            model.net.routing_hook = previous
+            net.routing_hook, net.residual_hook = previous
+            if self.predictor is not None:
+                del net.forward  # the class's method again
+                self.predictor = None
 
     def generate(self, model, prompt, **kwargs):
         """`model.generate(prompt, **kwargs)` with this recorder attached; ops labelled by phase."""
@@ -146,12 +206,21 @@ class TraceRecorder:
             self._phase[i] = phase
 
     def trace(self) -> Trace:
-        k = self.header.top_k
+        k, P = self.header.top_k, self.header.pred_width
         rows = [t.to("cpu").numpy().reshape(-1, k) for t in self._ids]
         ids = np.concatenate(rows) if rows else np.zeros((0, k), dtype=np.int64)
+        dtype = _ids_dtype(self.header.num_experts)
+        pred = np.zeros((len(ids), P), dtype=dtype)
+        predicted = np.zeros(len(rows), dtype=np.uint8)
+        at = 0
+        for i, (r, p) in enumerate(zip(rows, self._pred)):
+            if p is not None:
+                pred[at: at + len(r)] = p.to("cpu").numpy().reshape(len(r), P)
+                predicted[i] = 1
+            at += len(r)
         return Trace(self.header, np.asarray(self._layers, dtype=np.int32),
                      np.asarray([len(r) for r in rows], dtype=np.int32),
-                     np.asarray(self._phase, dtype=np.uint8), ids.astype(_ids_dtype(self.header.num_experts)))
+                     np.asarray(self._phase, dtype=np.uint8), ids.astype(dtype), pred, predicted)
 
 
 def _ids_dtype(num_experts: int) -> type:
@@ -242,7 +311,7 @@ def save_trace(trace: Trace, path: str | Path) -> None:
         with open(path, "wb") as f:
             np.savez_compressed(f, header=np.array(header), layer=trace.layer.astype(np.int32),
                                 tokens=trace.tokens.astype(np.int32), phase=trace.phase.astype(np.uint8),
-                                ids=trace.ids)
+                                ids=trace.ids, pred=_pred(trace), predicted=_predicted(trace))
     except OSError as e:
         raise ExpertCacheError(f"cannot write trace {str(path)!r}: {e.strerror}") from None
 
@@ -256,7 +325,7 @@ def load_trace(path: str | Path) -> Trace:
             if missing:
                 raise ExpertCacheError(f"{name}: not an expertcache trace: missing {', '.join(missing)}")
             raw = z["header"]
-            arrays = {k: z[k] for k in ARRAYS}
+            arrays = {k: z[k] for k in ARRAYS + PRED_ARRAYS if k in z.files}
     except FileNotFoundError:
         raise ExpertCacheError(f"cannot read trace {name!r}: no such file") from None
     except IsADirectoryError:
@@ -264,25 +333,42 @@ def load_trace(path: str | Path) -> Trace:
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise ExpertCacheError(f"{name}: not an expertcache trace (a .npz file expected): "
                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    header = _parse_header(raw, name)
-    for k in ARRAYS:
-        if not np.issubdtype(arrays[k].dtype, np.integer):
-            raise ExpertCacheError(f"{name}: array {k!r} must hold integers, got {arrays[k].dtype}")
-    trace = Trace(header, arrays["layer"], arrays["tokens"], arrays["phase"], arrays["ids"])
+    header, version = _parse_header(raw, name)
+    if version >= 2:
+        missing = [k for k in PRED_ARRAYS if k not in arrays]
+        if missing:
+            raise ExpertCacheError(f"{name}: not an expertcache trace of version {version}: "
+                                   f"missing {', '.join(missing)}")
+    for k, a in arrays.items():
+        if not np.issubdtype(a.dtype, np.integer):
+            raise ExpertCacheError(f"{name}: array {k!r} must hold integers, got {a.dtype}")
+    trace = Trace(header, arrays["layer"], arrays["tokens"], arrays["phase"], arrays["ids"],
+                  arrays.get("pred"), arrays.get("predicted"))
     _check(trace, name)
     return trace
 
 
-def _parse_header(raw: np.ndarray, name: str) -> TraceHeader:
+def _pred(trace: Trace) -> np.ndarray:
+    if trace.pred is not None:
+        return trace.pred
+    return np.zeros((len(trace.ids), trace.header.pred_width), dtype=_ids_dtype(trace.header.num_experts))
+
+
+def _predicted(trace: Trace) -> np.ndarray:
+    return (trace.predicted if trace.predicted is not None else np.zeros(trace.num_ops)).astype(np.uint8)
+
+
+def _parse_header(raw: np.ndarray, name: str) -> tuple[TraceHeader, int]:
     try:
         h = json.loads(str(raw[()]))
     except (json.JSONDecodeError, TypeError, IndexError, ValueError):
         raise ExpertCacheError(f"{name}: the trace header is not a JSON string") from None
     if not isinstance(h, dict) or h.get("format") != FORMAT:
         raise ExpertCacheError(f"{name}: not an expertcache trace (header format is not {FORMAT!r})")
-    if h.get("version") != VERSION:
-        raise ExpertCacheError(f"{name}: trace format version {h.get('version')!r} is not supported "
-                               f"(this expertcache reads version {VERSION})")
+    version = h.get("version")
+    if version not in READS or isinstance(version, bool):
+        raise ExpertCacheError(f"{name}: trace format version {version!r} is not supported "
+                               f"(this expertcache reads versions {', '.join(map(str, READS))})")
     for k in ("num_experts", "num_layers", "top_k", "expert_bytes"):
         v = h.get(k)
         if not isinstance(v, int) or isinstance(v, bool) or v < (0 if k == "expert_bytes" else 1):
@@ -295,8 +381,13 @@ def _parse_header(raw: np.ndarray, name: str) -> TraceHeader:
     if h["top_k"] > h["num_experts"]:
         raise ExpertCacheError(f"{name}: header top_k={h['top_k']} exceeds num_experts={h['num_experts']}")
     meta = h.get("meta", {})
+    width = h.get("pred_width", 0) if version >= 2 else 0
+    if not isinstance(width, int) or isinstance(width, bool) or not 0 <= width <= h["num_experts"]:
+        raise ExpertCacheError(f"{name}: header 'pred_width' must be an integer in [0, num_experts="
+                               f"{h['num_experts']}], got {width!r}")
     return TraceHeader(h["num_experts"], h["num_layers"], tuple(layers), h["top_k"], h["expert_bytes"],
-                       str(h.get("model", "")), meta if isinstance(meta, dict) else {})
+                       str(h.get("model", "")), meta if isinstance(meta, dict) else {}, width,
+                       str(h.get("predictor", "")) if version >= 2 else ""), version
 
 
 def _check(trace: Trace, name: str) -> None:
@@ -327,6 +418,26 @@ def _check(trace: Trace, name: str) -> None:
         bad_id = int(trace.ids.max()) if trace.ids.max() >= h.num_experts else int(trace.ids.min())
         raise ExpertCacheError(f"{name}: expert id {bad_id} out of range: the header says "
                                f"{h.num_experts} experts per layer")
+    if trace.pred is None and trace.predicted is None:
+        return
+    if trace.pred is None or trace.predicted is None:
+        raise ExpertCacheError(f"{name}: 'pred' and 'predicted' go together: one of them is missing")
+    if trace.pred.shape != (len(trace.ids), h.pred_width):
+        raise ExpertCacheError(f"{name}: array 'pred' has shape {trace.pred.shape}, expected "
+                               f"({len(trace.ids)}, pred_width={h.pred_width})")
+    if trace.predicted.shape != (n,) or (n and trace.predicted.max() > 1) or (n and trace.predicted.min() < 0):
+        raise ExpertCacheError(f"{name}: array 'predicted' must be {n} flags of 0 or 1")
+    if trace.predicted.any() and h.pred_width == 0:
+        raise ExpertCacheError(f"{name}: ops are marked predicted but the header's pred_width is 0")
+    rows = np.repeat(trace.predicted.astype(bool), trace.tokens)  # [R]
+    p = trace.pred[rows]
+    if p.size and (p.min() < 0 or p.max() >= h.num_experts):
+        bad_id = int(p.max()) if p.max() >= h.num_experts else int(p.min())
+        raise ExpertCacheError(f"{name}: predicted expert id {bad_id} out of range: the header says "
+                               f"{h.num_experts} experts per layer")
+    if p.size and (np.sort(p, axis=1)[:, 1:] == np.sort(p, axis=1)[:, :-1]).any():
+        raise ExpertCacheError(f"{name}: a token's predicted experts repeat an id (each row of 'pred' "
+                               f"ranks distinct experts)")
 
 
 # ---- summaries ---------------------------------------------------------------------------------
@@ -394,3 +505,35 @@ def reuse_summary(distances: np.ndarray, first_uses: int) -> dict:
             "p90": float(q[2]), "p99": float(q[3]), "mean": float(distances.mean()),
             "share_le_1": float((distances <= 1).mean()), "share_le_4": float((distances <= 4).mean()),
             "share_le_16": float((distances <= 16).mean())}
+
+
+WIDTHS = (1.0, 1.5, 2.0)  # prediction widths `trace stats` reports, as multiples of top-k
+
+
+def prediction_quality(trace: Trace, phase: str | None = None,
+                       widths: Sequence[float] = WIDTHS) -> dict[int, dict]:
+    """Per MoE layer, over the predicted ops of `phase`, at each width (a multiple of top-k): recall
+    (the share of the ops' distinct used experts that were predicted) and precision (the share of
+    predicted experts that were used), both summed over ops before dividing. Layers with no
+    predicted op are left out."""
+    if not trace.has_predictions:
+        return {}
+    sel = select(trace, phase) & trace.predicted.astype(bool)
+    used = trace.used()  # [N, E]
+    out: dict[int, dict] = {}
+    for width in widths:
+        hit = np.zeros_like(used)  # [N, E] predicted at this width
+        for i, p in enumerate(trace.predictions(width)):
+            if p is not None:
+                hit[i, p] = True
+        for layer in trace.header.moe_layers:
+            ops = sel & (trace.layer == layer)
+            if not ops.any():
+                continue
+            n_used, n_pred = int(used[ops].sum()), int(hit[ops].sum())
+            correct = int((used[ops] & hit[ops]).sum())
+            row = out.setdefault(layer, {"ops": int(ops.sum()), "used": n_used, "widths": {}})
+            row["widths"][str(width)] = {"predicted": n_pred, "correct": correct,
+                                         "recall": correct / n_used if n_used else 0.0,
+                                         "precision": correct / n_pred if n_pred else 0.0}
+    return out

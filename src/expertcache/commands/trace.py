@@ -1,5 +1,6 @@
-"""`expertcache trace record | simulate | stats`: record routing traces, replay them through the
-runtime's policies against Belady's MIN, and summarise how experts are used."""
+"""`expertcache trace record | simulate | stats`: record routing traces (and what the predictor
+predicted for each op), replay them through the runtime's policies against Belady's MIN, with or
+without prefetch, and summarise how experts are used and how well they were predicted."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ExpertCacheError
-from ..flags import add_cache_flags, nonneg_int, positive_int
+from ..flags import add_cache_flags, add_prefetch_width_flag, nonneg_int, positive_int
 from .common import add_model_flags, load_model, read_text_file
 
 DEFAULT_CAPACITIES = "10%,25%,50%,75%"
@@ -32,7 +33,7 @@ def cmd_record(args) -> int:
     meta = {"source": args.file or args.prompts, "kind": "file" if args.file else "prompts",
             "max_tokens": args.n_predict, "max_prompt_tokens": args.max_prompt_tokens, **gen,
             "dtype": str(model.net.dtype).removeprefix("torch."), "device": str(model.net.device)}
-    recorder = TraceRecorder.for_model(model, meta)
+    recorder = TraceRecorder.for_model(model, meta, predict=not args.no_predictions)
 
     def progress(res) -> None:
         print(f"[prompt {res.prompt_tokens} tok ({res.cached_tokens} reused), generated "
@@ -84,34 +85,58 @@ def cmd_simulate(args) -> int:
     if args.plot:
         _check_plot_path(args.plot)
     ops = trace.ops()
-    rows = compare(ops, [slots for _, slots in capacities], policies, h.expert_bytes)
+    predictions = None
+    if args.prefetch:
+        if not trace.has_predictions:
+            raise ExpertCacheError(f"{args.trace}: --prefetch needs a trace with predictions (format version 2, "
+                                   f"recorded by `trace record` without --no-predictions)")
+        from ..models.predict import width_experts
+
+        predictions = trace.predictions(args.prefetch_width)
+        n_pred = width_experts(args.prefetch_width, h.top_k, h.pred_width)
+    rows = compare(ops, [slots for _, slots in capacities], policies, h.expert_bytes, predictions)
 
     print(f"{args.trace}: {trace.num_ops:,} ops ({trace.prefill_tokens():,} prefill tokens, "
           f"{trace.decode_tokens():,} decode tokens), {len(h.moe_layers)} MoE layers x {h.num_experts} experts "
           f"= {h.total_experts} experts of {h.expert_bytes:,} bytes, top-{h.top_k}")
-    print(f"{'capacity':>8} {'slots':>5} {'(%)':>5}  {'policy':<8} {'hits':>10} {'misses':>9} {'hit rate':>8} "
-          f"{'bytes moved':>16} {'x MIN':>6} {'x MIN nc':>8}")
+    pf = predictions is not None
+    print(f"{'capacity':>8} {'slots':>5} {'(%)':>5}  {'policy':<11} {'hits':>10} {'misses':>9} {'hit rate':>8} "
+          f"{'bytes moved':>16} {'x MIN':>6} {'x MIN nc':>8}"
+          + (f" {'pf issued':>9} {'pf used':>8} {'pf wasted':>9} {'x bytes':>7}" if pf else ""))
     pct = {slots: 100 * slots / h.total_experts for _, slots in capacities}
     label = {slots: text for text, slots in capacities}
+    demand_bytes = {(row.result.policy, row.result.capacity): row.result.bytes_moved
+                    for row in rows if not row.prefetch}
     for row in rows:
         r = row.result
         mark = "*" if r.policy == DEFAULT_POLICY else " "
-        print(f"{label[r.capacity]:>8} {r.capacity:>5} {pct[r.capacity]:>5.1f}  {r.policy + mark:<8} "
-              f"{r.hits:>10,} {r.misses:>9,} "
-              f"{r.hit_rate:>8.3f} {r.bytes_moved:>16,} {_fmt(row.misses_vs_belady):>6} "
-              f"{_fmt(row.noncompulsory_vs_belady):>8}")
+        name = r.policy + ("+pf" if row.prefetch else "") + mark
+        line = (f"{label[r.capacity]:>8} {r.capacity:>5} {pct[r.capacity]:>5.1f}  {name:<11} "
+                f"{r.hits:>10,} {r.misses:>9,} "
+                f"{r.hit_rate:>8.3f} {r.bytes_moved:>16,} {_fmt(row.misses_vs_belady):>6} "
+                f"{_fmt(row.noncompulsory_vs_belady):>8}")
+        if pf and row.prefetch:
+            base = demand_bytes[(r.policy, r.capacity)]
+            line += (f" {r.prefetch_issued:>9,} {r.prefetch_used:>8,} {r.prefetch_wasted:>9,} "
+                     f"{_fmt(r.bytes_moved / base if base else None):>7}")
+        print(line)
     print(f"* default policy ({DEFAULT_POLICY}). x MIN: misses / Belady's misses; x MIN nc: the same over "
           f"non-compulsory misses (misses minus first uses, {rows[0].result.compulsory_misses:,}).")
+    if pf:
+        print(f"+pf: with prefetch at width {args.prefetch_width:g} ({n_pred} experts per token): misses are "
+              f"demand misses (neither resident nor prefetched); bytes moved count prefetches; x bytes: bytes "
+              f"moved / the same policy's without prefetch.")
     waved = {row.result.capacity: row.waved_ops for row in rows if row.waved_ops}
     if waved:
         print("note: ops larger than the cache ran in waves at " +
               ", ".join(f"{s} slots ({n:,} ops)" for s, n in waved.items()) +
               ": there Belady's MIN is not the optimum, and a ratio below 1 means a policy beat it.")
     if args.plot:
-        _plot(args.plot, args.trace, rows, h.total_experts)
+        _plot(args.plot, args.trace, [row for row in rows if not row.prefetch], h.total_experts)
         print(f"wrote {args.plot}")
     print(json.dumps({"trace": args.trace, "ops": trace.num_ops, "total_experts": h.total_experts,
                       "expert_bytes": h.expert_bytes, "default_policy": DEFAULT_POLICY,
+                      "prefetch_width": args.prefetch_width if pf else None,
                       "results": [row.as_dict() | {"capacity_spec": label[row.result.capacity],
                                                    "capacity_pct": pct[row.result.capacity],
                                                    "default": row.result.policy == DEFAULT_POLICY}
@@ -172,7 +197,7 @@ def _plot(path: str, title: str, rows, total_experts: int) -> None:
 
 
 def cmd_stats(args) -> int:
-    from ..bench.trace import load_trace, popularity, reuse_distances, reuse_summary, top_counts
+    from ..bench.trace import load_trace, popularity, prediction_quality, reuse_distances, reuse_summary, top_counts
 
     trace = load_trace(args.trace)
     phase = None if args.phase == "all" else args.phase
@@ -197,8 +222,32 @@ def cmd_stats(args) -> int:
     print(f"top10%/top25%: share of uses that go to the {n10}/{n25} most used of {h.num_experts} experts "
           f"(uniform: {n10 / h.num_experts:.3f}/{n25 / h.num_experts:.3f}); "
           f"entropy in bits (uniform: log2({h.num_experts})).")
-    print(json.dumps({"trace": args.trace, "phase": args.phase, "layers": {str(k): v for k, v in layers.items()}}))
+    quality = {}
+    if trace.has_predictions:
+        phases = ["prefill", "decode"] if phase is None else [phase]
+        quality = {p: prediction_quality(trace, p) for p in phases}
+        _print_quality(trace, quality)
+    print(json.dumps({"trace": args.trace, "phase": args.phase, "layers": {str(k): v for k, v in layers.items()},
+                      "prediction": {p: {str(k): v for k, v in q.items()} for p, q in quality.items()}}))
     return 0
+
+
+def _print_quality(trace, quality: dict) -> None:
+    from ..bench.trace import WIDTHS
+    from ..models.predict import width_experts
+
+    h = trace.header
+    ks = [width_experts(w, h.top_k, h.pred_width) for w in WIDTHS]
+    print(f"prediction ({h.predictor or 'unnamed'} predictor), per layer over its predicted ops: recall R "
+          f"(used experts that were predicted) and precision P (predicted experts that were used) at width "
+          + ", ".join(f"{w:g} ({k}/token)" for w, k in zip(WIDTHS, ks)))
+    print(f"{'phase':>7} {'layer':>5} {'ops':>7} " + " ".join(f"{'R@' + format(w, 'g'):>6} {'P@' + format(w, 'g'):>6}"
+                                                           for w in WIDTHS))
+    for phase, layers in quality.items():
+        for layer, q in layers.items():
+            cells = " ".join(f"{q['widths'][str(w)]['recall']:>6.3f} {q['widths'][str(w)]['precision']:>6.3f}"
+                             for w in WIDTHS)
+            print(f"{phase:>7} {layer:>5} {q['ops']:>7,} {cells}")
 
 
 def register(sub) -> None:
@@ -220,6 +269,8 @@ def register(sub) -> None:
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--seed", type=int)
     r.add_argument("--ignore-eos", action="store_true", help="keep decoding past the end-of-text token")
+    r.add_argument("--no-predictions", action="store_true",
+                   help="do not record what the predictor predicted for each op (recorded by default)")
     r.add_argument("-o", "--output", required=True, help="trace file to write (.npz)")
     r.set_defaults(func=cmd_record)
 
@@ -229,7 +280,10 @@ def register(sub) -> None:
                    help="comma-separated percentages of all experts or slot counts (default: "
                    + DEFAULT_CAPACITIES.replace("%", "%%") + ")")
     s.add_argument("--policy", default="all", help="'all' (default) or a comma-separated list of policies")
-    s.add_argument("--plot", help="draw hit rate against capacity into this PNG")
+    s.add_argument("--plot", help="draw hit rate against capacity into this PNG (demand-only rows)")
+    s.add_argument("--prefetch", action="store_true",
+                   help="also replay each policy with prefetch from the trace's recorded predictions")
+    add_prefetch_width_flag(s)
     s.set_defaults(func=cmd_simulate)
 
     st = tsub.add_parser("stats", help="expert popularity and reuse distances, per layer")

@@ -2,9 +2,10 @@
 
 `Residency.plan` decides, for one MoE op, what is hit, what is missing, which slots the missing
 experts go to, what is evicted to make room, and in how many waves the op runs when it needs more
-experts than there are slots. The runtime cache executes the plan with tensors; the trace
-simulator only counts it. Both use this class, so what the simulator reports is what the runtime
-does.
+experts than there are slots. `Residency.plan_prefetch` reserves slots for the experts predicted
+for the next op (prefetch). The runtime cache executes the plans with tensors; the trace
+simulator only counts them. Both use this class, so what the simulator reports is what the
+runtime does.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class OpPlan:
     misses: list[int]
     waves: list[Wave]
     loaded_before: int  # experts of `layer` resident when the op began
+    # Hits that a prefetch planned and no op had used yet (`plan_prefetch`): prefetches used.
+    prefetched: list[int] = field(default_factory=list)
+    # Keys evicted by this op that a prefetch planned and no op used: prefetches wasted.
+    wasted: list[ExpertKey] = field(default_factory=list)
 
     @property
     def evicted(self) -> list[ExpertKey]:
@@ -46,6 +51,20 @@ class OpPlan:
     def copy_ranges(self) -> int:
         """Transfers the op issues: one per merged run."""
         return sum(len(w.copy_runs) for w in self.waves)
+
+
+@dataclass(slots=True)
+class PrefetchPlan:
+    """What one prefetch does to the cache: the predicted experts it reserved slots for."""
+
+    layer: int
+    experts: list[int]  # planned (not resident before), id order
+    slots: list[int]  # slot of each of `experts`
+    copy_runs: list[tuple[int, int, int]] = field(default_factory=list)  # (first expert, first slot, length)
+    evicted: list[ExpertKey] = field(default_factory=list)  # in the order the policy chose them
+    wasted: list[ExpertKey] = field(default_factory=list)  # evicted prefetches that no op had used
+    dropped: list[int] = field(default_factory=list)  # predicted, not resident, no room: not planned
+    pinned: list[ExpertKey] = field(default_factory=list)  # what it could not evict (the op in flight)
 
 
 class Residency:
@@ -62,6 +81,19 @@ class Residency:
       long enough for it, so that it is one copy; otherwise into the lowest free slots.
     The policy hears `begin_op`, then `hit` for each hit in id order, then per wave every `evict`
     before the wave's `insert`s (id order).
+
+    Prefetch semantics (`plan_prefetch`; exact, the runtime follows them):
+    - a prefetch is planned after an op's `plan`, for a later op's predicted experts; its keys
+      become resident at once in the bookkeeping (slot reserved), whether or not the copy ran;
+    - it pins the keys of the op last planned that are resident (the op in flight) and never
+      evicts them; predicted keys already resident cost nothing and change nothing;
+    - it plans the predicted keys in the caller's priority order as long as a slot is free or an
+      unpinned key can be evicted, then places them like a wave's fills (free slots first, id runs
+      into slot runs, evictions by the policy before the inserts, inserts in id order); the policy
+      sees a prefetch as an insert (a use);
+    - a prefetched key is *unused* until an op hits it: that hit is reported in
+      `OpPlan.prefetched` (a prefetch used, whether or not its copy had started); evicting it
+      while unused reports it in `wasted`; `invalidate` forgets the mark.
     """
 
     def __init__(self, capacity: int, policy: Policy) -> None:
@@ -81,6 +113,9 @@ class Residency:
         self._key_of: list[ExpertKey | None] = [None] * capacity
         self._masks: dict[int, int] = {}  # layer -> bit e set when expert e is resident
         self._free: list[int] = list(range(capacity))  # sorted
+        self._prefetched: set[ExpertKey] = set()  # planned by a prefetch, not used by an op since
+        self._wasted_now: set[ExpertKey] = set()  # unused prefetches dropped by the plan being made
+        self._last_op: list[ExpertKey] = []  # the keys of the op last planned (a prefetch pins them)
 
     @property
     def capacity(self) -> int:
@@ -115,6 +150,10 @@ class Residency:
     def free_slots(self) -> list[int]:
         return list(self._free)
 
+    def prefetched_unused(self) -> list[ExpertKey]:
+        """Resident keys that a prefetch planned and no op has used since, sorted."""
+        return sorted(self._prefetched)
+
     # -- one op -----------------------------------------------------------------------------------
 
     def plan(self, layer: int, experts: Sequence[int]) -> OpPlan:
@@ -129,6 +168,8 @@ class Residency:
         misses = [e for e in experts if not mask >> e & 1]
         for e in hits:
             self._policy.hit(keys[e])
+        prefetched = [e for e in hits if keys[e] in self._prefetched]
+        self._prefetched.difference_update(keys[e] for e in prefetched)
 
         room = self._capacity - len(hits)
         first = experts if not misses else sorted(hits + misses[:room])
@@ -136,7 +177,41 @@ class Residency:
         for i in range(room, len(misses), self._capacity):
             chunk = misses[i : i + self._capacity]
             waves.append(self._wave(layer, keys, chunk, chunk))
-        return OpPlan(layer, hits, misses, waves, loaded_before=mask.bit_count())
+        self._last_op = list(keys.values())
+        wasted = [k for w in waves for k in w.evicted if k in self._wasted_now]
+        self._wasted_now.clear()
+        return OpPlan(layer, hits, misses, waves, loaded_before=mask.bit_count(), prefetched=prefetched,
+                      wasted=wasted)
+
+    def plan_prefetch(self, layer: int, experts: Sequence[int]) -> PrefetchPlan:
+        """Reserve slots for `experts` of `layer` (distinct ids, best first), predicted for a later
+        op; see the class for the semantics."""
+        experts = _check_prefetch(layer, experts)
+        pinned = {k for k in self._last_op if k in self._slot_of}
+        mask = self._masks.get(layer, 0)
+        wanted = [e for e in experts if not mask >> e & 1]
+        room = len(self._free) + len(self._slot_of) - len(pinned)
+        take, dropped = sorted(wanted[:room]), wanted[room:]
+        evicted = []
+        for _ in range(len(take) - len(self._free)):
+            victim = self._policy.evict(pinned)
+            assert victim not in pinned and victim in self._slot_of, victim
+            self._drop(victim)
+            evicted.append(victim)
+        wasted = [k for k in evicted if k in self._wasted_now]
+        self._wasted_now.clear()
+        placed = self._place(take)
+        mask = self._masks.get(layer, 0)
+        for e, slot in placed:
+            key = ExpertKey(layer, e)
+            self._slot_of[key] = slot
+            self._key_of[slot] = key
+            mask |= 1 << e
+            self._policy.insert(key)
+            self._prefetched.add(key)
+        self._masks[layer] = mask
+        return PrefetchPlan(layer, [e for e, _ in placed], [s for _, s in placed], _runs(placed), evicted,
+                            wasted, dropped, sorted(pinned))
 
     def _wave(self, layer: int, keys: dict[int, ExpertKey], experts: list[int], fills: list[int]) -> Wave:
         evicted = []
@@ -159,14 +234,8 @@ class Residency:
             self._policy.insert(key)
         self._masks[layer] = mask
 
-        runs: list[list[int]] = []
-        for e, slot in placed:
-            if runs and e == runs[-1][0] + runs[-1][2] and slot == runs[-1][1] + runs[-1][2]:
-                runs[-1][2] += 1
-            else:
-                runs.append([e, slot, 1])
         slots = [self._slot_of[keys[e]] for e in experts]
-        return Wave(experts, slots, placed, [tuple(r) for r in runs], evicted)
+        return Wave(experts, slots, placed, _runs(placed), evicted)
 
     def _place(self, fills: list[int]) -> list[tuple[int, int]]:
         """Take free slots for `fills` (id order): id runs into slot runs where the free list allows."""
@@ -198,6 +267,9 @@ class Residency:
         return None
 
     def _drop(self, key: ExpertKey) -> None:
+        if key in self._prefetched:
+            self._prefetched.discard(key)
+            self._wasted_now.add(key)
         slot = self._slot_of.pop(key)
         self._key_of[slot] = None
         insort(self._free, slot)
@@ -215,6 +287,7 @@ class Residency:
         for key in keys:
             self._policy.remove(key)
             self._drop(key)
+        self._wasted_now.clear()  # an invalidated prefetch is neither used nor wasted
         return keys
 
     def clear(self) -> list[ExpertKey]:
@@ -227,6 +300,29 @@ class Residency:
         self._reset(capacity)
         self._policy.reset(capacity)
         return dropped
+
+
+def _runs(placed: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Merge (expert, slot) pairs, id order, into runs of consecutive ids in consecutive slots."""
+    runs: list[list[int]] = []
+    for e, slot in placed:
+        if runs and e == runs[-1][0] + runs[-1][2] and slot == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([e, slot, 1])
+    return [tuple(r) for r in runs]
+
+
+def _check_prefetch(layer: int, experts: Sequence[int]) -> list[int]:
+    if not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"layer must be an integer >= 0, got {layer!r}")
+    try:
+        experts = [operator.index(e) for e in experts]
+    except TypeError:
+        raise ValueError(f"predicted expert ids of layer {layer} must be integers, got {list(experts)}") from None
+    if len(set(experts)) != len(experts) or any(e < 0 for e in experts):
+        raise ValueError(f"predicted experts of layer {layer} must be distinct ids >= 0, got {experts}")
+    return experts
 
 
 def _check_op(layer: int, experts: Sequence[int]) -> list[int]:

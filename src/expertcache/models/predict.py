@@ -1,0 +1,117 @@
+"""Predict which experts the next MoE layer will use, before its router runs (for prefetch).
+
+The default predictor needs nothing trained: at MoE layer l, once l's mixer has run (the
+decoder's `residual_hook`), it applies the router of the next MoE layer l' (with l''s own
+router-input normalisation) to the residual stream h and ranks l''s experts for each token. The
+residual changes little from one layer to the next, so this ranks l''s experts much as l''s router
+will. The first MoE layer of a forward is predicted from the tokens' embeddings alone
+(`predict_first`, at the start of the forward, once the tokens are known). Predicting only reads
+the hidden state: outputs are the same with and without it.
+
+T = tokens, D = hidden, E = experts per layer, P = experts ranked per token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ExpertCacheError
+from .parallel_ffn import ParallelFFN
+from .sliding_attention import gemma_rms_norm
+
+
+def next_moe_layers(moe_layers: Sequence[int]) -> dict[int, int]:
+    """Each MoE layer -> the next one (the last has none)."""
+    return dict(zip(moe_layers, moe_layers[1:]))
+
+
+def router_probs(decoder, layer: int, h: torch.Tensor) -> torch.Tensor:
+    """Layer `layer`'s router applied to the residual h [T, D] as that layer's router would see it:
+    probabilities [T, E] in fp32, whose ranking is the router's.
+
+    Qwen-family layers route norm(h, post_norm) @ router.T; Gemma 4's block (`ParallelFFN`) routes
+    rms(h) * scale * D^-0.5 @ router.T.
+    """
+    lw = decoder.weights.layers[layer]
+    if lw.router is None:
+        raise ExpertCacheError(f"layer {layer} has no router: only MoE layers can be predicted")
+    if lw.block is None:
+        x = decoder.norm(h, lw.post_norm, decoder.cfg.rms_norm_eps)  # [T, D]
+    elif isinstance(lw.block, ParallelFFN):
+        b = lw.block
+        x = gemma_rms_norm(h, None, b.eps) * lw.block_w.scale * b.hidden ** -0.5  # [T, D]
+    else:
+        raise ExpertCacheError(f"layer {layer}: no predictor for a feed-forward block of type "
+                               f"{type(lw.block).__name__}")
+    return torch.softmax(decoder.kernels.linear(x, lw.router), dim=-1, dtype=torch.float)  # [T, E]
+
+
+def rank_experts(probs: torch.Tensor, n: int) -> torch.Tensor:
+    """The n most probable experts of each token, best first: [T, n] ids (ties: the router's order)."""
+    return torch.topk(probs, n, dim=-1).indices  # [T, n]
+
+
+class RouterPredictor:
+    """The default predictor. Attach it as the decoder's `residual_hook` and call `predict_first`
+    with each forward's tokens before the forward; `take(layer)` then hands out the prediction for
+    the op of `layer` about to run: [T, P] expert ids, each token's P best first, or None when that
+    layer was not predicted in this forward.
+    """
+
+    name = "router"
+
+    def __init__(self, decoder, width: int):
+        moe = list(decoder.cfg.moe_layers)
+        E = decoder.cfg.num_experts
+        if not isinstance(width, int) or not 1 <= width <= E:
+            raise ExpertCacheError(f"prediction width must be an integer in [1, {E}] experts, got {width!r}")
+        self.decoder, self.width = decoder, width
+        self.first = moe[0]
+        self.next = next_moe_layers(moe)
+        self._pending: dict[int, torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def __call__(self, layer: int, h: torch.Tensor) -> None:
+        """The residual hook: h [T, D] after `layer`'s mixer ranks the next MoE layer's experts."""
+        nxt = self.next.get(layer)
+        if nxt is not None and self.decoder.weights.layers[layer].router is not None:
+            self._pending[nxt] = rank_experts(router_probs(self.decoder, nxt, h), self.width)
+
+    @torch.inference_mode()
+    def predict_first(self, tokens: torch.Tensor) -> None:
+        """Rank the first MoE layer's experts for tokens [T] from their embeddings alone."""
+        w = self.decoder.weights
+        h = F.embedding(tokens, w.embed)  # [T, D]
+        if w.embed_scale is not None:
+            h = h * torch.tensor(w.embed_scale, dtype=h.dtype)
+        self._pending[self.first] = rank_experts(router_probs(self.decoder, self.first, h), self.width)
+
+    def take(self, layer: int) -> torch.Tensor | None:
+        return self._pending.pop(layer, None)
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+
+def op_prediction(ranked: Sequence[Sequence[int]], n: int) -> list[int]:
+    """One op's prediction from its tokens' ranked experts ([T][>= n] ids, best first): the union of
+    each token's n best, ordered by best rank over the tokens, then id (the order a prefetch
+    plans them in when room runs out)."""
+    out: list[int] = []
+    seen: set[int] = set()
+    for r in range(n):
+        for e in sorted({int(row[r]) for row in ranked} - seen):
+            seen.add(e)
+            out.append(e)
+    return out
+
+
+def width_experts(width: float, top_k: int, limit: int) -> int:
+    """`--prefetch-width` W (a multiple of top-k) as experts per token: ceil(W k), at most `limit`."""
+    if not width >= 0:
+        raise ExpertCacheError(f"prefetch width must be a number >= 0 (a multiple of top-k), got {width!r}")
+    return min(limit, math.ceil(width * top_k - 1e-9))
