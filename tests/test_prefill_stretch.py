@@ -42,6 +42,22 @@ def test_a_stretch_equals_one_forward_with_recurrent_layers():
     torch.testing.assert_close(stretch_logits(model, ids, ubatch=24), model.logits(ids), rtol=0, atol=1e-4)
 
 
+def test_recurrent_snapshots_at_micro_batch_ends_inside_a_stretch_restore_exactly():
+    model = expertcache.load(HYBRID, prefill_stretch=64)
+    ids = ids_of(170, seed=2, vocab=model.cfg.vocab_size).tolist()
+    s = model.new_session()
+    model.prefill(s, ids[:150], ubatch=24)
+    # Stretches [0, 64), [64, 128), [128, 150): micro-batch ends 24, 48 | 88, 112 inside them.
+    assert [snap.position for snap in s.kv.snapshots] == [24, 48, 64, 88, 112, 128, 150]
+    fresh = model.logits(ids)
+    for n, kept in ((100, 88), (50, 48), (20, 0)):
+        c = s.copy()
+        assert c.kv.truncate(n) == kept
+        del c.tokens[kept:]
+        torch.testing.assert_close(model.prefill(c, ids[kept:], ubatch=24, all_logits=True), fresh[kept:],
+                                   rtol=0, atol=1e-4)
+
+
 def test_a_stretch_equals_one_forward_across_the_sliding_window(gemma4):
     _, d = gemma4(seed=3)
     model = expertcache.load(d, prefill_stretch=40)

@@ -87,9 +87,13 @@ class PrefillStats:
     def bytes_per_token(self) -> float:
         return self.bytes_read / self.tokens if self.tokens else 0.0
 
+    def __add__(self, other: PrefillStats) -> PrefillStats:
+        return PrefillStats(self.tokens + other.tokens, self.stretches + other.stretches,
+                            self.bytes_read + other.bytes_read, self.seconds + other.seconds)
+
     def as_dict(self) -> dict:
-        return {"prefill_tokens": self.tokens, "prefill_stretches": self.stretches,
-                "prefill_bytes_read": self.bytes_read, "prefill_bytes_per_token": self.bytes_per_token}
+        return {"tokens": self.tokens, "stretches": self.stretches, "bytes_read": self.bytes_read,
+                "bytes_read_per_token": self.bytes_per_token, "seconds": self.seconds}
 
 
 def plan_stretch(bytes_per_token: int, stretch: int, mem: int) -> int:
@@ -130,7 +134,8 @@ class Model:
         self.eos_ids = set(cfg.eos_token_id)
         if tokenizer is not None:
             self.eos_ids |= tokenizer.end_ids
-        self.last_prefill = PrefillStats()
+        # What the last prefill and all of them so far read from the slow tier (telemetry).
+        self.last_prefill = self.prefill_total = PrefillStats()
         self.stretch = plan_stretch(net.activation_bytes(1), options.prefill_stretch, options.prefill_mem)
 
     @property
@@ -204,9 +209,16 @@ class Model:
                 session.tokens.extend(part)
                 done += len(part)
         finally:
-            self.last_prefill = PrefillStats(done, -(-done // step) if done else 0,
-                                             self._read_bytes() - before, time.perf_counter() - t0)
+            self.last_prefill = PrefillStats(done, -(-done // step), self._read_bytes() - before,
+                                             time.perf_counter() - t0)
+            self.prefill_total = self.prefill_total + self.last_prefill
         return torch.cat(outs) if all_logits else outs[-1][-1]
+
+    def prefill_info(self) -> dict:
+        """The prefill schedule and what the last prefill read, for JSON outputs."""
+        return {"stretch": self.stretch, "stretch_activation_bytes": self.net.activation_bytes(self.stretch),
+                "workspace_bytes": self.net.workspace.nbytes, "last": self.last_prefill.as_dict(),
+                "total": self.prefill_total.as_dict()}
 
     def _read_bytes(self) -> int:
         return self.experts.telemetry_.total()["copied_bytes"]

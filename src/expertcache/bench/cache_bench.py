@@ -32,7 +32,8 @@ def run_one(spec: dict) -> dict:
                         policy=spec.get("policy") or CacheConfig().policy)
     t0 = time.perf_counter()
     model = expertcache.load(spec["model"], dtype=spec.get("dtype"), cache=cache,
-                             ctx_size=spec["prefill"] + spec["decode"] + 8, kernels=spec.get("kernels", "torch"))
+                             ctx_size=spec["prefill"] + spec["decode"] + 8, kernels=spec.get("kernels", "torch"),
+                             prefill_stretch=spec.get("prefill_stretch", 4096), prefill_mem=spec.get("prefill_mem"))
     load_s = time.perf_counter() - t0
     replay = None
     if spec.get("route_trace"):
@@ -69,6 +70,9 @@ def run_one(spec: dict) -> dict:
         return len(prompt)
 
     prefill = phase(do_prefill)
+    # What the slow tier gave the prompt, per token: expert bytes x stretches at most, once
+    # every expert is used in each stretch.
+    prefill.update(bytes_read_per_token=model.last_prefill.bytes_per_token, stretches=model.last_prefill.stretches)
 
     def decode():
         tok = prompt[-1]
@@ -84,6 +88,8 @@ def run_one(spec: dict) -> dict:
     return {"mode": spec["mode"], "store": spec["store"], "fraction": spec.get("fraction"),
             "capacity": tel["capacity"], "total_experts": tel["total_experts"], "expert_bytes": tel["expert_bytes"],
             "policy": tel["policy"], "load_seconds": load_s, "prefill": prefill, "decode": dec,
+            "expert_bytes_total": sum(model.experts.expert_bytes[i] for i in model.cfg.moe_layers) * model.cfg.num_experts,
+            "prefill_stretch": model.stretch, "stretch_activation_bytes": model.net.activation_bytes(model.stretch),
             "peak_rss_bytes": peak_rss_bytes()}
 
 
@@ -131,7 +137,7 @@ class RoutingReplay:
 def configurations(args) -> list[dict]:
     base = {"model": args.model, "threads": args.threads, "prefill": args.prefill, "decode": args.decode,
             "ubatch": args.ubatch, "dtype": args.dtype, "policy": args.cache_policy, "route_trace": args.route_trace,
-            "kernels": args.kernels}
+            "kernels": args.kernels, "prefill_stretch": args.prefill_stretch, "prefill_mem": args.prefill_mem}
     specs = []
     for store in args.stores.split(","):
         specs.append({**base, "mode": "resident", "store": store})
@@ -142,15 +148,27 @@ def configurations(args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'mode':<9}{'store':<6}{'cap':>6}{'slots':>7}  {'prefill t/s':>11}{'decode t/s':>11}"
-            f"{'hit rate':>9}{'MB/tok':>9}{'copy GB/s':>10}{'peak RSS MB':>12}")
+    """One line per configuration: prefill tok/s (and as a ratio of the resident mode's on the
+    same store), the slow tier's bytes per prompt token (and as a multiple of all expert bytes
+    per stretch), then decode."""
+    head = (f"{'mode':<9}{'store':<6}{'cap':>6}{'slots':>7}  {'prefill t/s':>11}{'x res':>7}{'pf MB/tok':>10}"
+            f"{'x all':>7}  {'decode t/s':>10}{'hit rate':>9}{'MB/tok':>9}{'copy GB/s':>10}{'peak RSS MB':>12}")
     lines = [head, "-" * len(head)]
+    resident = {r["store"]: r["prefill"]["tok_s"] for r in rows if r["mode"] == "resident"}
     for r in rows:
         cap = "all" if r["mode"] == "resident" else ("-" if r["fraction"] is None else f"{r['fraction']:.0%}")
-        d = r["decode"]
-        lines.append(f"{r['mode']:<9}{r['store']:<6}{cap:>6}{r['capacity']:>7}  {r['prefill']['tok_s']:>11.1f}"
-                     f"{d['tok_s']:>11.2f}{d['hit_rate']:>9.3f}{d['copied_bytes_per_token'] / 1e6:>9.2f}"
+        d, p = r["decode"], r["prefill"]
+        ratio = p["tok_s"] / resident[r["store"]] if r["store"] in resident else float("nan")
+        read = p["bytes_read_per_token"] * p["tokens"]
+        amortized = read / (r["expert_bytes_total"] * max(1, p["stretches"]))
+        lines.append(f"{r['mode']:<9}{r['store']:<6}{cap:>6}{r['capacity']:>7}  {p['tok_s']:>11.1f}{ratio:>7.2f}"
+                     f"{p['bytes_read_per_token'] / 1e6:>10.3f}{amortized:>7.2f}  "
+                     f"{d['tok_s']:>10.2f}{d['hit_rate']:>9.3f}{d['copied_bytes_per_token'] / 1e6:>9.2f}"
                      f"{d['copy_gb_s']:>10.2f}{r['peak_rss_bytes'] / 2**20:>12.0f}")
+    first = rows[0] if rows else None
+    if first is not None:
+        lines.append(f"prefill: stretches of {first['prefill_stretch']} tokens, "
+                     f"{first['stretch_activation_bytes'] / 2**20:.0f} MiB of activations each")
     return "\n".join(lines)
 
 
@@ -190,7 +208,7 @@ def _fractions(text: str) -> list[float]:
 
 
 def add_parser(suites) -> None:
-    from ..flags import add_kernels_flag, positive_int
+    from ..flags import add_kernels_flag, add_prefill_flags, positive_int
 
     p = suites.add_parser("cache", help="resident vs staging vs cache at several capacities and slow tiers")
     p.add_argument("-m", "--model", required=True, help="checkpoint (use `expertcache synth` for real sizes)")
@@ -200,6 +218,7 @@ def add_parser(suites) -> None:
     p.add_argument("--prefill", type=positive_int, default=256, help="prompt tokens (default: 256)")
     p.add_argument("--decode", type=positive_int, default=32, help="decoded tokens (default: 32)")
     p.add_argument("--ubatch", type=positive_int, default=512)
+    add_prefill_flags(p)
     p.add_argument("-t", "--threads", type=positive_int, default=torch.get_num_threads())
     p.add_argument("--dtype")
     add_kernels_flag(p)

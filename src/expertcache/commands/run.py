@@ -60,7 +60,7 @@ def _result_json(model, res) -> dict:
             "completion_tokens": len(res.token_ids), "finish_reason": res.finish_reason,
             "timings": {"prompt_seconds": res.prompt_seconds, "gen_seconds": res.gen_seconds,
                         "prompt_tokens_per_second": res.prompt_tps, "gen_tokens_per_second": res.gen_tps},
-            "peak_rss_bytes": peak_rss_bytes(), "telemetry": model.telemetry()}
+            "prefill": model.prefill_info(), "peak_rss_bytes": peak_rss_bytes(), "telemetry": model.telemetry()}
 
 
 def _chat_loop(model, gen, args) -> int:

@@ -189,6 +189,8 @@ class Decoder:
             kv.seek(base + s)
             out[s:e] = lw.mixer(self.kernels, lw.attn, norm(h[s:e], lw.input_norm, eps), layer, kv,
                                 cos[s:e], sin[s:e])
+            if e < T:
+                kv.layer_done(layer, base + e)
         return out
 
     def activation_bytes(self, tokens: int) -> int:

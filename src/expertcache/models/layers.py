@@ -116,6 +116,11 @@ class KVCache:
         forward seeks back to where it began before `advance`."""
         self.length = position
 
+    def layer_done(self, layer: int, position: int) -> None:
+        """Within a forward over a stretch, `layer` has run every token before `position` (a
+        micro-batch end): a cache that keeps snapshots of state it cannot truncate copies that
+        layer's state here, and makes whole snapshots of the copies at `advance`."""
+
     def advance(self, n: int) -> None:
         self.length += n
 

@@ -6,9 +6,11 @@ Keys and values truncate to any prefix; a recurrent state does not (it folds eve
 one matrix). So the state keeps snapshots of the recurrent layers, each a copy of every DeltaNet
 layer's state at one position, taken:
 
-- at the start and at the end of every forward of more than one token: the start is where the
-  previous request ended (or where a reused prefix resumed), the end is the end of a prompt or
-  of one of its micro-batches;
+- at the start and at the end of every forward of more than one token, and at each micro-batch
+  end inside it: the start is where the previous request ended (or where a reused prefix
+  resumed), the end is the end of a prompt or of one of its stretches. A stretch runs layer by
+  layer, so a micro-batch end inside it is a copy of each layer's state as that layer passes it
+  (`layer_done`), made a whole snapshot when the forward ends (`PartialSnapshots`);
 - every `snapshot_every` tokens while decoding (a step that lands on a multiple of it).
 
 At most `max_snapshots` are kept; beyond that the one at the earliest position goes. Position 0
@@ -47,6 +49,35 @@ class Snapshot:
         return sum(s.nbytes for s in self.layers.values())
 
 
+class PartialSnapshots:
+    """Per-layer state copies at positions inside one forward, in the order the layers pass
+    them; `whole` gives the positions every layer reached, ascending, and forgets the rest (a
+    failed forward's copies are dropped at the next `begin`)."""
+
+    def __init__(self) -> None:
+        self.by_position: dict[int, dict[int, object]] = {}
+
+    def add(self, position: int, layer: int, state) -> None:
+        self.by_position.setdefault(position, {})[layer] = state
+
+    def clear(self) -> None:
+        self.by_position.clear()
+
+    def whole(self, layers: int) -> list[tuple[int, dict[int, object]]]:
+        out = [(p, d) for p, d in sorted(self.by_position.items()) if len(d) == layers]
+        self.by_position.clear()
+        return out
+
+
+def keep_snapshot(snapshots: list, snap, max_snapshots: int) -> None:
+    """Append `snap` (positions ascending) and drop the earliest beyond `max_snapshots`."""
+    if snapshots and snapshots[-1].position == snap.position:
+        return
+    snapshots.append(snap)
+    if len(snapshots) > max_snapshots:
+        del snapshots[0]
+
+
 class SequenceState(KVCache):
     """`KVCache` for the attention layers plus a `DeltaNetState` per recurrent layer (`recurrent`,
     created by the model's mixers), truncatable through snapshots (module docstring)."""
@@ -61,6 +92,7 @@ class SequenceState(KVCache):
         self.recurrent = recurrent
         self.snapshot_every, self.max_snapshots = snapshot_every, max_snapshots
         self.snapshots: list[Snapshot] = []  # by position, ascending
+        self._partial = PartialSnapshots()
 
     def _consistent(self) -> bool:
         # A forward that failed half-way left some layers ahead of `length`.
@@ -70,20 +102,24 @@ class SequenceState(KVCache):
         if not self._consistent():
             raise ExpertCacheError("the sequence state is incomplete after a failed forward; "
                                    "truncate it before running more tokens")
+        self._partial.clear()
         if n > 1 and self.length:
             self._take()
 
+    def layer_done(self, layer: int, position: int) -> None:
+        if layer in self.recurrent:
+            self._partial.add(position, layer, self.recurrent[layer].copy())
+
     def advance(self, n: int) -> None:
+        for position, layers in self._partial.whole(len(self.recurrent)):
+            keep_snapshot(self.snapshots, Snapshot(position, layers), self.max_snapshots)
         super().advance(n)
         if n > 1 or self.length % self.snapshot_every == 0:
             self._take()
 
     def _take(self) -> None:
-        if self.snapshots and self.snapshots[-1].position == self.length:
-            return
-        self.snapshots.append(Snapshot(self.length, {i: s.copy() for i, s in self.recurrent.items()}))
-        if len(self.snapshots) > self.max_snapshots:
-            del self.snapshots[0]
+        keep_snapshot(self.snapshots, Snapshot(self.length, {i: s.copy() for i, s in self.recurrent.items()}),
+                      self.max_snapshots)
 
     def truncate(self, n: int) -> int:
         """Keep at most the first n tokens; returns how many were kept: n itself when nothing

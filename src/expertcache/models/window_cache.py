@@ -9,8 +9,9 @@ keys into the ring; a decode step writes its key first and attends over the ring
 
 A ring forgets: once positions have slid out, cutting the sequence back to a prefix that needs
 them is impossible from the ring alone. So, as for recurrent state (`state.py`), the cache keeps
-snapshots of the rings, taken at the start and end of every forward of more than one token and
-every `snapshot_every` tokens while decoding; `truncate(n)` keeps n itself when the rings still
+snapshots of the rings, taken at the start and end of every forward of more than one token, at
+each micro-batch end inside it (as `state.py` does), and every `snapshot_every` tokens while
+decoding; `truncate(n)` keeps n itself when the rings still
 hold what n needs, else restores the nearest snapshot at or before n and returns its position
 (the caller prefills the rest again).
 
@@ -27,7 +28,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ExpertCacheError
 from .layers import KVCache
-from .state import MAX_SNAPSHOTS, SNAPSHOT_EVERY
+from .state import MAX_SNAPSHOTS, SNAPSHOT_EVERY, PartialSnapshots, keep_snapshot
 
 
 @dataclass(slots=True)
@@ -78,6 +79,7 @@ class WindowKVCache(KVCache):
         # A forward wrote into the rings and has not advanced: it failed half-way, and its
         # writes may have replaced positions that the kept ones need.
         self._pending = False
+        self._partial = PartialSnapshots()
 
     def append_window(self, layer: int, k: torch.Tensor, v: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,21 +114,25 @@ class WindowKVCache(KVCache):
         if self._pending:
             raise ExpertCacheError("the sequence state is incomplete after a failed forward; "
                                    "truncate it before running more tokens")
+        self._partial.clear()
         if n > 1 and self.length:
             self._take()
 
+    def layer_done(self, layer: int, position: int) -> None:
+        if layer in self.rings:
+            self._partial.add(position, layer, self.rings[layer].copy())
+
     def advance(self, n: int) -> None:
+        for position, rings in self._partial.whole(len(self.rings)):
+            keep_snapshot(self.snapshots, RingSnapshot(position, rings), self.max_snapshots)
         super().advance(n)
         self._pending = False
         if n > 1 or self.length % self.snapshot_every == 0:
             self._take()
 
     def _take(self) -> None:
-        if self.snapshots and self.snapshots[-1].position == self.length:
-            return
-        self.snapshots.append(RingSnapshot(self.length, {i: r.copy() for i, r in self.rings.items()}))
-        if len(self.snapshots) > self.max_snapshots:
-            del self.snapshots[0]
+        keep_snapshot(self.snapshots, RingSnapshot(self.length, {i: r.copy() for i, r in self.rings.items()}),
+                      self.max_snapshots)
 
     def _rings_hold(self, n: int) -> bool:
         # Position n's queries need positions n-W+1 .. n-1, all of which must still be in the ring.

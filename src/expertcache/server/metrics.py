@@ -72,6 +72,16 @@ class ServerCollector(Collector):
         info.add_metric([str(t.get("mode", "")), str(t.get("policy", "")), str(t.get("store", ""))], 1)
         yield info
 
+        p = self.model.prefill_total
+        yield CounterMetricFamily(f"{PREFIX}_prefill_bytes_read", "expert bytes read from the slow tier while "
+                                  "processing prompts", value=p.bytes_read)
+        yield GaugeMetricFamily(f"{PREFIX}_prefill_bytes_read_per_token", "expert bytes read from the slow tier "
+                                "per prompt token processed, since start", value=p.bytes_per_token)
+        yield GaugeMetricFamily(f"{PREFIX}_prefill_stretch", "tokens the MoE ops of a long prompt run over "
+                                "per load of each expert", value=self.model.stretch)
+        yield GaugeMetricFamily(f"{PREFIX}_prefill_workspace_bytes", "bytes of the MoE op buffers kept "
+                                "for prompt processing", value=self.model.net.workspace.nbytes)
+
         s = self.scheduler.snapshot()
         for name, doc, value in (
             ("requests", "requests served (including aborted ones)", s.requests),
