@@ -19,7 +19,10 @@ FIXTURES = ROOT / "tests" / "fixtures" / "gguf"
 REQUIRED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
                   "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 FAMILIES = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",
-            "qwen3_5_moe": "qwen35moe"}
+            "qwen3_5_moe": "qwen35moe", "gemma4": "gemma4", "gemma4_v": "gemma4"}
+# llama.cpp's CPU GELU goes through an fp16 table: its Gemma 4 logits differ from transformers'
+# by about 1e-3 relative, where SwiGLU families agree to 1e-5.
+F32_AGREEMENT = {"gemma4": 5e-3, "gemma4_v": 5e-3}
 # Model fixtures; tokenizers/ holds vocabulary-only files with their own tests.
 GGUF_FILES = sorted(p for p in FIXTURES.rglob("*.gguf") if "tokenizers" not in p.relative_to(FIXTURES).parts)
 
@@ -55,7 +58,7 @@ def test_fixtures_exist():
         families.add(json.loads(path.with_suffix(".json").read_text())["family"])
     assert families == set(FAMILIES), f"fixture families {sorted(families)}, expected {sorted(FAMILIES)}"
     total = sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.suffix in (".gguf", ".json", ".npz"))
-    assert total < 10_000_000, f"fixtures take {total} bytes; keep them to a few MB"
+    assert total < 12_000_000, f"fixtures take {total} bytes; keep them to a few MB"
 
 
 def test_tensor_types_cover_every_storage_type():
@@ -84,7 +87,8 @@ def test_recording_matches_its_gguf(path: Path):
     assert len(reader.fields["tokenizer.ggml.tokens"].data) == cfg["vocab_size"]
     # Before quantization, llama.cpp's forward on the F32 file matched transformers' fp32 one.
     agree = rec["f32_vs_transformers"]
-    assert agree["argmax_equal"] and agree["max_abs_diff"] < 1e-4 * agree["max_abs_logit"], agree
+    bound = F32_AGREEMENT.get(rec["family"], 1e-4)
+    assert agree["argmax_equal"] and agree["max_abs_diff"] < bound * agree["max_abs_logit"], agree
 
 
 @pytest.mark.parametrize("path", GGUF_FILES, ids=[p.stem for p in GGUF_FILES])
@@ -95,17 +99,30 @@ def test_token_ids_spell_the_text(path: Path):
     reader = _reader(path)
     vocab = _field(reader, "tokenizer.ggml.tokens")
     dec = _byte_decoder()
+    sentencepiece = _field(reader, "tokenizer.ggml.model") == "gemma4"  # '▁' for spaces, <0xXX> bytes
+    control = {i for i, t in enumerate(_field(reader, "tokenizer.ggml.token_type")) if t == 3}
+
+    def piece(i: int) -> bytes:
+        t = vocab[i]
+        if not sentencepiece:
+            return bytes(dec[c] for c in t)
+        if i in control:  # BOS
+            return b""
+        if len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            return bytes([int(t[3:5], 16)])
+        return t.replace("\u2581", " ").encode("utf-8")
 
     def spell(ids: list[int]) -> str:
         assert all(0 <= i < len(vocab) for i in ids)
-        return bytes(dec[c] for i in ids for c in vocab[i]).decode("utf-8")
+        return b"".join(piece(i) for i in ids).decode("utf-8")
 
     start, end = rec["heldout"]["chars"]
     text = (ROOT / rec["heldout"]["file"]).read_text(encoding="utf-8")[start:end]
     assert hashlib.sha256(text.encode()).hexdigest() == rec["heldout"]["sha256"], "heldout.txt changed"
     assert spell(rec["heldout"]["tokens"]) == text
     assert spell(rec["prompt"]["tokens"]) == rec["prompt"]["text"]
-    assert rec["heldout"]["hf_tokenizer_equal"], "llama.cpp tokenized the slice unlike tokenizer.json"
+    if not sentencepiece:  # the byte-level ones: tokenizer.json's own BPE gives llama.cpp's ids
+        assert rec["heldout"]["hf_tokenizer_equal"], "llama.cpp tokenized the slice unlike tokenizer.json"
 
 
 @pytest.mark.parametrize("path", GGUF_FILES, ids=[p.stem for p in GGUF_FILES])
@@ -126,7 +143,10 @@ def test_logits_and_perplexity_recordings(path: Path):
     assert ppl["n_tokens"] == len(rec["heldout"]["tokens"])
     assert ppl["chunks"] == ppl["n_tokens"] // n_ctx == len(ppl["chunk_nll"]) >= 2
     assert ppl["scored_per_chunk"] == n_ctx - 1 - n_ctx // 2
-    assert ppl["add_bos"] is False and ppl["bos_id"] is None  # the tokenizer adds no BOS
+    if rec["family"].startswith("gemma4"):  # llama.cpp always adds BOS for Gemma 4
+        assert ppl["add_bos"] is True and ppl["bos_id"] == 2
+    else:
+        assert ppl["add_bos"] is False and ppl["bos_id"] is None  # the tokenizer adds no BOS
     assert all(math.isfinite(v) and v > 0 for v in ppl["chunk_nll"])
     mean = sum(ppl["chunk_nll"]) / (ppl["chunks"] * ppl["scored_per_chunk"])
     assert ppl["ppl"] == pytest.approx(math.exp(mean), rel=1e-12)

@@ -36,7 +36,21 @@ class FamilySpec:
     init_std: float = 0.05
     logit_std: float = 3.0
     save_dtype: str = "bfloat16"  # of model.safetensors
+    # The tokenizer directory (relative to the repository) when it is not the bundled model's, and
+    # its end-of-text and beginning-of-text tokens.
+    tokenizer: str | None = None
+    eos: str = "<|endoftext|>"
+    bos: str | None = None
 
+
+_S, _F = "sliding_attention", "full_attention"
+GEMMA4_TOKENIZER = "tests/fixtures/gguf/gemma4/tokenizer"
+# Rows of 32 (Q8_0's block) or more; saved in bf16 (Gemma 4's norms are stored as w, unchanged).
+GEMMA4_BASE = dict(
+    hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    sliding_window=16, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+    hidden_size_per_layer_input=0, num_kv_shared_layers=0, final_logit_softcapping=30.0,
+    tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=4096)
 
 # Row lengths (hidden, moe_intermediate_size, heads x head_dim) of qwen3_moe are multiples of 256
 # so that K-quants are used as such; the other families are smaller (rows of 64 or 128) to keep the
@@ -79,14 +93,30 @@ FAMILIES = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                          "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
         seed=5, init_std=0.09, save_dtype="float32"),
+    # Gemma 4 with the MoE block, text only: sliding layers (window 16, head dim 32, 2 KV heads)
+    # and full layers (head dim 64, one KV head, k-eq-v: no v_proj), proportional RoPE on the full
+    # layers, a dense GeGLU MLP beside 4 experts, a soft-capped tied LM head. Its converter needs
+    # a Llama-style BPE tokenizer (byte fallback), so it has its own small Gemma-4-style one.
+    "gemma4": FamilySpec("gemma4", "gemma4_text", dict(GEMMA4_BASE, layer_types=[_S, _F, _S, _F], num_hidden_layers=4,
+                                                       global_head_dim=64, num_global_key_value_heads=1,
+                                                       attention_k_eq_v=True),
+                         seed=6, init_std=0.09, logit_std=1.0, tokenizer=GEMMA4_TOKENIZER, eos="<eos>",
+                         bos="<bos>"),
+    # The same without k-eq-v: every layer has v_proj and the full layers 2 KV heads. (With one
+    # head dim for every layer transformers 5.24 saves no full-layer head dim, which the
+    # converter refuses: an AssertionError in Gemma4Model.set_gguf_parameters.)
+    "gemma4_v": FamilySpec("gemma4_v", "gemma4_text", dict(GEMMA4_BASE, layer_types=[_S, _F], num_hidden_layers=2,
+                                                           global_head_dim=64, attention_k_eq_v=False),
+                           seed=7, init_std=0.09, logit_std=1.0, tokenizer=GEMMA4_TOKENIZER, eos="<eos>",
+                           bos="<bos>"),
 }
 
 
-def _config(spec: FamilySpec, vocab_size: int, eos_id: int):
+def _config(spec: FamilySpec, vocab_size: int, eos_id: int, bos_id: int | None = None):
     import transformers as tf
 
     return tf.AutoConfig.for_model(spec.model_type, vocab_size=vocab_size, initializer_range=spec.init_std,
-                                   bos_token_id=None, eos_token_id=eos_id, pad_token_id=eos_id,
+                                   bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id,
                                    **spec.config)
 
 
@@ -97,8 +127,8 @@ def build_model(spec: FamilySpec, tokenizer_dir: Path):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    eos_id = tok.token_to_id("<|endoftext|>")
-    cfg = _config(spec, tok.get_vocab_size(), eos_id)
+    cfg = _config(spec, tok.get_vocab_size(), tok.token_to_id(spec.eos),
+                  tok.token_to_id(spec.bos) if spec.bos else None)
     torch.manual_seed(spec.seed)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(spec.seed + 1000)
@@ -111,16 +141,27 @@ def build_model(spec: FamilySpec, tokenizer_dir: Path):
         elif unit_offset and "norm" in name and not name.endswith("linear_attn.norm.weight"):
             # w with 1 + w a bf16 value, so that the converter's 1 + w is exact
             p.copy_((1.0 + 0.2 * torch.randn(p.shape, generator=gen)).to(torch.bfloat16).float() - 1.0)
-        elif p.ndim == 1 and "norm" in name:
+        elif p.ndim == 1 and ("norm" in name or name.endswith("scale")):  # Gemma 4's router scales too
             p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
         elif p.ndim == 1:
             p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    for name, b in model.named_buffers():
+        if name.endswith("layer_scalar"):  # Gemma 4: 1 by default, which a loader could drop
+            b.copy_(torch.empty(b.shape).uniform_(0.7, 1.3, generator=gen))
     ids = torch.tensor([tok.encode(SCALE_TEXT).ids])  # [1, T]
     std = model(ids).logits.float().std().item()
     model.get_output_embeddings().weight.mul_(spec.logit_std / std)
     for p in model.parameters():
         p.copy_(p.to(torch.bfloat16).float())
+    for name, b in model.named_buffers():
+        if name.endswith("layer_scalar"):  # saved with the weights, so a bf16 value too
+            b.copy_(b.to(torch.bfloat16).float())
     return model
+
+
+def tokenizer_dir(spec: FamilySpec, root: Path, default: Path) -> Path:
+    """The tokenizer directory `spec` is built with: its own, else `default` (the bundled model)."""
+    return root / spec.tokenizer if spec.tokenizer else default
 
 
 def build_checkpoint(spec: FamilySpec, tokenizer_dir: Path, out_dir: Path) -> Path:
@@ -134,4 +175,36 @@ def build_checkpoint(spec: FamilySpec, tokenizer_dir: Path, out_dir: Path) -> Pa
     (out_dir / "generation_config.json").unlink(missing_ok=True)
     cfg = json.loads((out_dir / "config.json").read_text())
     assert cfg["model_type"] == spec.model_type, cfg["model_type"]
+    return out_dir
+
+
+def build_gemma4_tokenizer(out_dir: Path, heldout: Path, pieces: int = 512) -> Path:
+    """A small Gemma-4-style tokenizer.json (what llama.cpp's Gemma 4 converter accepts: BPE with
+    byte fallback, spaces as '▁', split only at newline runs): <pad> <eos> <bos> <unk>, the 256
+    <0xXX> byte tokens, two newline runs, then BPE pieces trained on the held-out text."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    def shell(tok):
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+        return tok
+
+    text = heldout.read_text(encoding="utf-8")
+    trained = shell(Tokenizer(models.BPE()))
+    trained.train_from_iterator(text[:200000].splitlines()[1::2],
+                                trainers.BpeTrainer(vocab_size=pieces, show_progress=False, limit_alphabet=120))
+    data = json.loads(trained.to_str())
+    head = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    tokens = head + [f"<0x{b:02X}>" for b in range(256)] + ["\n", "\n\n"]
+    tokens += [t for t, _ in sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1]) if t not in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in data["model"]["merges"]]
+    tok = shell(Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>")))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in head])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+              "pad_token": "<pad>", "unk_token": "<unk>", "add_bos_token": True, "model_max_length": 4096}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
     return out_dir

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 import llamacpp_ref as ref  # exits with a one-line message when llama-cpp-python is missing
-from gguf_fixture_models import FAMILIES, build_checkpoint
+from gguf_fixture_models import FAMILIES, build_checkpoint, tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "src" / "expertcache" / "assets"
@@ -63,6 +63,7 @@ QUANTS = {  # family -> llama-quantize types made of it
     "qwen3_moe": ("Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K_M"),
     "qwen2_moe": ("Q8_0", "Q4_K_M"), "olmoe": ("Q8_0", "Q4_K_M"), "mixtral": ("Q8_0", "Q4_K_M"),
     "qwen3_5_moe": ("Q8_0",),
+    "gemma4": ("Q8_0", "Q4_K_M"), "gemma4_v": (),
 }
 # Converter flags per family: the Qwen3.5 converter wants the MTP head, which a text-only
 # checkpoint does not have, unless told to drop it.
@@ -82,7 +83,7 @@ MIX = {  # llama.cpp takes the first pattern that matches (std::regex_search), h
 # Qwen3.5's files live in their own folder: its F32 file is there for the exact comparison, and
 # the type-coverage set above stays as it was.
 COMMITTED = ("qwen3_moe-mix", "qwen2_moe-Q4_K_M", "olmoe-Q8_0", "mixtral-Q8_0", "qwen3_5_moe/qwen3_5_moe-F32",
-             "qwen3_5_moe/qwen3_5_moe-Q8_0")
+             "qwen3_5_moe/qwen3_5_moe-Q8_0", "gemma4/gemma4-F32", "gemma4/gemma4-Q8_0", "gemma4/gemma4_v-F32")
 
 
 def convert(llama_dir: Path, family: str, hf_dir: Path, out: Path) -> Path:
@@ -113,10 +114,10 @@ def tensor_types(path: Path) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
 
 
-def hf_token_ids(text: str) -> list[int]:
+def hf_token_ids(text: str, tokenizer: Path = BUNDLED) -> list[int]:
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(BUNDLED / "tokenizer.json")).encode(text).ids
+    return Tokenizer.from_file(str(tokenizer / "tokenizer.json")).encode(text).ids
 
 
 def heldout_slice() -> str:
@@ -143,8 +144,9 @@ def transformers_agreement(hf_dir: Path, f32_gguf: Path) -> dict:
             "argmax_equal": bool((ours.argmax(1) == theirs.argmax(1)).all())}
 
 
-def record(gguf_path: Path, meta: dict) -> tuple[dict, dict[str, np.ndarray]]:
-    """llama.cpp's token ids, prompt logits and perplexity for one GGUF: (json, arrays)."""
+def record(gguf_path: Path, meta: dict, tokenizer: Path = BUNDLED) -> tuple[dict, dict[str, np.ndarray]]:
+    """llama.cpp's token ids, prompt logits and perplexity for one GGUF: (json, arrays);
+    `tokenizer` is the Hugging Face tokenizer the checkpoint was built with."""
     text = heldout_slice()
     r = ref.Reference(gguf_path, PPL_CTX)
     try:
@@ -163,7 +165,7 @@ def record(gguf_path: Path, meta: dict) -> tuple[dict, dict[str, np.ndarray]]:
                       "n_ubatch": PPL_CTX, "device": "cpu"},
         "heldout": {"file": str(HELDOUT.relative_to(ROOT)), "chars": list(HELDOUT_CHARS),
                     "sha256": hashlib.sha256(text.encode()).hexdigest(), "tokens": held,
-                    "hf_tokenizer_equal": held == hf_token_ids(text)},
+                    "hf_tokenizer_equal": held == hf_token_ids(text, tokenizer)},
         "prompt": {"text": PROMPT, "tokens": prompt, "logits": "logits", "logits_shape": list(logits.shape)},
         "perplexity": ppl,
     })
@@ -221,7 +223,8 @@ def rebuild(llama_dir: Path, work: Path, out: Path, families: list[str] | None =
     for fam, spec in FAMILIES.items():
         if families and fam not in families:
             continue
-        hf = build_checkpoint(spec, BUNDLED, work / "hf" / fam)
+        tok = tokenizer_dir(spec, ROOT, BUNDLED)
+        hf = build_checkpoint(spec, tok, work / "hf" / fam)
         try:
             f32 = convert(llama_dir, fam, hf, work / f"{fam}-F32.gguf")
             agreement = transformers_agreement(hf, f32)
@@ -244,7 +247,7 @@ def rebuild(llama_dir: Path, work: Path, out: Path, families: list[str] | None =
                 refused[path.stem] = str(e).splitlines()[-1]
                 print(f"{path.name}: llama.cpp refused: {refused[path.stem]}")
                 continue
-            rec, arrays = record(path, {**meta, "ftype": ftype or "F32", "tensor_type_overrides": over})
+            rec, arrays = record(path, {**meta, "ftype": ftype or "F32", "tensor_type_overrides": over}, tok)
             write_recording(path, rec, arrays)
             made[path.stem] = rec
             types = sorted(set(rec["tensor_types"].values()))

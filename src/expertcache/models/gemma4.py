@@ -8,6 +8,15 @@ The published checkpoints are multimodal (`gemma4`): the text config sits in `te
 the text weights under `model.language_model.`, beside vision and audio towers, skipped. A
 text-only checkpoint (`gemma4_text`, Gemma4ForCausalLM) keeps the usual `model.layers.` names.
 
+GGUF files (`gemma4`, llama.cpp's converter) are read under the text-only names through gguf-py's
+name map; the converter keeps every weight as it is (norms as w, the experts fused as
+`ffn_gate_up_exps`, the router's `scale` as `ffn_gate_inp.scale`, `per_expert_scale` as
+`ffn_down_exps.scale`). The layer kinds come from `attention.sliding_window_pattern`, the head
+dims from `key_length` (full) and `key_length_swa`, the KV heads from the per-layer
+`head_count_kv`, k-eq-v from the full layers having no `attn_v`, and the full layers'
+proportional RoPE from the `rope_freqs` tensor (1 for the frequencies that rotate, 1e30 for the
+rest).
+
 Per-layer-input embeddings and key/value sharing between layers are not implemented: a config
 that asks for them is refused, naming the key. A key the config leaves out is not such a request
 (transformers' class defaults `hidden_size_per_layer_input` to 256, which a MoE checkpoint never
@@ -62,6 +71,9 @@ def default_layer_types(layers: int) -> tuple[str, ...]:
 
 class Gemma4(Architecture):
     model_types = ("gemma4", "gemma4_text")
+    gguf_architectures = ("gemma4",)
+    gguf_norm_topk_prob = True
+    gguf_config_reads_file = True  # rope_freqs and which layers have attn_v
     expert_layouts = GEMMA4_LAYOUTS
     norm_topk_prob = True
     qkv_bias = False
@@ -132,6 +144,77 @@ class Gemma4(Architecture):
                             final_logit_softcapping=float(cap) if cap else None, wrapped=wrapped)
 
     @classmethod
+    def gguf_config(cls, base: ModelConfig, metadata: dict, gg) -> Gemma4Config:
+        """The family's config from a `gemma4` GGUF file (`gg`: its metadata and tensor table),
+        over what `config_from_gguf` read (`base`); a missing key raises KeyError naming it."""
+        a = metadata["general.architecture"]
+
+        def need(key: str):
+            if metadata.get(f"{a}.{key}") is None:
+                raise KeyError(f"{a}.{key}")
+            return metadata[f"{a}.{key}"]
+
+        layers = base.num_layers
+        for key, off in (("embedding_length_per_layer_input", 0), ("attention.shared_kv_layers", 0)):
+            if metadata.get(f"{a}.{key}") not in (None, off):
+                raise ExpertCacheError(f"{a}.{key} {metadata[f'{a}.{key}']!r} is not supported (expected {off}: "
+                                       "per-layer input embeddings and key/value sharing are not implemented)")
+        pattern = need("attention.sliding_window_pattern")
+        if not isinstance(pattern, list) or len(pattern) != layers:
+            raise ExpertCacheError(f"{a}.attention.sliding_window_pattern {pattern!r}: expected {layers} booleans")
+        types = tuple(SLIDING if p else FULL for p in pattern)
+        if not all(base.sparse_layers):
+            dense = base.sparse_layers.index(False)
+            raise ExpertCacheError(f"tensor 'blk.{dense}.ffn_gate_inp.weight' is missing: expected the MoE block "
+                                   "in every layer")
+        kv = metadata.get(f"{a}.attention.head_count_kv", base.num_heads)
+        kv = kv if isinstance(kv, list) else [kv] * layers
+        if len(kv) != layers:
+            raise ExpertCacheError(f"{a}.attention.head_count_kv {kv!r}: expected {layers} values")
+        head = {SLIDING: need("attention.key_length_swa"), FULL: need("attention.key_length")}
+        value = {SLIDING: metadata.get(f"{a}.attention.value_length_swa", head[SLIDING]),
+                 FULL: metadata.get(f"{a}.attention.value_length", head[FULL])}
+        rot = {SLIDING: metadata.get(f"{a}.rope.dimension_count_swa", head[SLIDING]),
+               FULL: metadata.get(f"{a}.rope.dimension_count", head[FULL])}
+        suffix = {SLIDING: "_swa", FULL: ""}
+        heads_kv = {}
+        for kind in (SLIDING, FULL):
+            if value[kind] != head[kind]:
+                raise ExpertCacheError(f"{a}.attention.value_length{suffix[kind]} {value[kind]}: expected the key "
+                                       f"length {head[kind]}")
+            if rot[kind] != head[kind]:
+                raise ExpertCacheError(f"{a}.rope.dimension_count{suffix[kind]} {rot[kind]}: expected the head dim "
+                                       f"{head[kind]} (RoPE over the whole head)")
+            counts = {kv[i] for i, t in enumerate(types) if t == kind}
+            if len(counts) > 1:
+                raise ExpertCacheError(f"{a}.attention.head_count_kv {kv!r}: {kind} layers with different counts")
+            heads_kv[kind] = counts.pop() if counts else kv[0]
+        ff = need("feed_forward_length")
+        if isinstance(ff, list):
+            if len(set(ff)) != 1:
+                raise ExpertCacheError(f"{a}.feed_forward_length {ff!r}: layers of different widths (double-wide "
+                                       "MLPs of shared-KV layers) are not supported")
+            ff = ff[0]
+        full_layers = [i for i, t in enumerate(types) if t == FULL]
+        with_v = {f"blk.{i}.attn_v.weight" in gg for i in full_layers}
+        if len(with_v) > 1:
+            raise ExpertCacheError("full-attention layers with and without 'attn_v': expected one or the other")
+        k_eq_v = with_v == {False}
+        theta = base.rope.theta
+        theta_swa = float(metadata.get(f"{a}.rope.freq_base_swa", theta))
+        factor = _rotary_factor(gg, head[FULL]) if full_layers else 1.0
+        eps = base.rms_norm_eps
+        sliding = SlidingAttentionConfig(base.num_heads, heads_kv[SLIDING], head[SLIDING], theta_swa, 1.0,
+                                         need("attention.sliding_window"), False, eps)
+        full = SlidingAttentionConfig(base.num_heads, heads_kv[FULL], head[FULL], theta, factor, None, k_eq_v, eps)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
+        fields.update(num_kv_heads=heads_kv[SLIDING], head_dim=head[SLIDING], intermediate_size=ff,
+                      norm_topk_prob=True, hidden_act="gelu_pytorch_tanh", sliding_window=sliding.window)
+        cap = metadata.get(f"{a}.final_logit_softcapping")
+        return Gemma4Config(**fields, layer_types=types, sliding=sliding, full=full,
+                            final_logit_softcapping=float(cap) if cap else None)
+
+    @classmethod
     def names(cls, cfg: ModelConfig) -> dict[str, str]:
         return _WRAPPED_NAMES if getattr(cfg, "wrapped", False) else cls.tensor_names
 
@@ -153,6 +236,25 @@ class Gemma4(Architecture):
     def dense_options(cls, cfg: ModelConfig) -> dict:
         return {"rms_norm": gemma_rms_norm, "embed_scale": math.sqrt(cfg.hidden_size),
                 "logit_softcap": getattr(cfg, "final_logit_softcapping", None)}
+
+
+def _rotary_factor(gg, head_dim: int) -> float:
+    """The share of the full layers' frequencies that rotate, from the GGUF's `rope_freqs`
+    (ggml divides each frequency by its factor: 1 keeps it, 1e30 stops it)."""
+    name = "rope_freqs.weight"
+    if name not in gg:
+        return 1.0
+    info = gg.info(name)
+    f = gg.read(name).view(info.storage).view(-1).float()                     # [Dh/2]
+    n = int((f == 1.0).long().cumprod(0).sum())
+    if f.numel() != head_dim // 2 or not bool((f[n:] >= 1e29).all()):
+        raise ExpertCacheError(f"{info.file}: tensor {name!r} holds {f.tolist()[:8]}...: expected {head_dim // 2} "
+                               "values, 1 for the frequencies that rotate and then 1e30 (proportional RoPE)")
+    factor = 2 * n / head_dim
+    if int(factor * head_dim // 2) != n:  # what `SlidingAttentionConfig.inv_freq` will take
+        raise ExpertCacheError(f"{info.file}: tensor {name!r}: {n} rotating frequencies of {head_dim // 2} "
+                               "cannot be expressed as a rotary factor")
+    return factor
 
 
 def _rope(params: dict, kind: str) -> float:

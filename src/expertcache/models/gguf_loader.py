@@ -8,8 +8,9 @@ slice of each, so it spans two or three ranges of the file, each in its own stor
 weights are dequantized at load (exactly, to fp32, then the compute dtype); experts stay as the
 file's blocks in both tiers and are dequantized only by the compute path.
 
-A family whose layers are not all attention (Qwen3.5's `qwen35moe`) completes the config from its
-own keys (`Architecture.gguf_config`) and undoes or keeps what the converter did to its tensors
+A family whose layers are not all alike (Qwen3.5's `qwen35moe`, Gemma 4's `gemma4`) completes
+the config from its own keys (`Architecture.gguf_config`; Gemma 4's also reads the file's tensor
+table and `rope_freqs`) and undoes or keeps what the converter did to its tensors
 (`Architecture.from_gguf`, its mixers).
 """
 
@@ -42,7 +43,8 @@ GGUF_EXPERT_NAMES = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight",
                      "down": "ffn_down_exps.weight", "gate_up": "ffn_gate_up_exps.weight"}
 _ARCH_IDS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 # Hugging Face names gguf-py's map does not know, by their end, with the GGUF name's end.
-_EXTRA_NAMES = {"linear_attn.dt_bias": "ssm_dt.bias"}
+_EXTRA_NAMES = {"linear_attn.dt_bias": "ssm_dt.bias", "router.scale": "ffn_gate_inp.scale",
+                "router.per_expert_scale": "ffn_down_exps.scale", "layer_scalar": "layer_output_scale.weight"}
 
 
 def is_gguf(path: Path) -> bool:
@@ -70,8 +72,11 @@ def config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConfi
     heads = need("attention.head_count")
     layers = need("block_count")
     kv = get("attention.head_count_kv", heads)
+    family = getattr(arch, "gguf_config", None)
     if isinstance(kv, list):
-        raise ExpertCacheError(f"{where}: per-layer {a}.attention.head_count_kv is not supported for {a}")
+        if family is None:
+            raise ExpertCacheError(f"{where}: per-layer {a}.attention.head_count_kv is not supported for {a}")
+        kv = kv[0]  # the family reads the list
     head_dim = get("attention.key_length") or hidden // heads
     sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in gg for i in range(layers))
     theta = get("rope.freq_base", 10000.0)
@@ -108,8 +113,9 @@ def config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConfi
             router_weights_fp32=arch.router_weights_fp32,
         )
         # A family with layers of its own kind reads their shapes from its own keys.
-        family = getattr(arch, "gguf_config", None)
-        return family(cfg, md) if family is not None else cfg
+        if family is None:
+            return cfg
+        return family(cfg, md, gg) if getattr(arch, "gguf_config_reads_file", False) else family(cfg, md)
     except KeyError as e:
         raise ExpertCacheError(f"{where}: missing metadata key {e.args[0]!r}") from None
     except ExpertCacheError as e:
@@ -223,18 +229,21 @@ class GGUFExperts:
 
 
 def hf_names(cfg: ModelConfig, arch: type[Architecture], expected: dict[str, tuple[int, ...]],
-             gg: GGUFCheckpoint) -> dict[str, str]:
-    """The GGUF name of every dense Hugging Face tensor the architecture expects, checked."""
+             gg: GGUFCheckpoint, optional: dict[str, tuple[int, ...]] | None = None) -> dict[str, str]:
+    """The GGUF name of every dense Hugging Face tensor the architecture expects, checked, and of
+    each `optional` one the file holds."""
     name = gg.metadata.get("general.architecture")
     tmap = gguf.get_tensor_name_map(_ARCH_IDS[name], cfg.num_layers)
     out = {}
-    for hf, shape in expected.items():
+    for hf, shape in {**expected, **(optional or {})}.items():
         g = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
-        if g is None:
+        if g is None or g not in gg:
             end = next((e for e in _EXTRA_NAMES if hf.endswith(e)), None)
             layer = next((i for i in range(cfg.num_layers) if f".{i}." in hf), None)
             if end is not None and layer is not None:
                 g = f"blk.{layer}.{_EXTRA_NAMES[end]}"
+        if hf not in expected and (g is None or g not in gg):
+            continue
         if g is None or g not in gg:
             raise ExpertCacheError(f"{gg.files[0]}: missing tensor {g or hf!r} (expected shape {list(shape)})")
         got = tuple(gg.info(g).shape)
@@ -255,13 +264,15 @@ def dense_expected(cfg: ModelConfig, arch: type[Architecture], expected: dict[st
 
 def open_gguf(path: Path):
     """Read and validate a GGUF model; nothing but the metadata and tensor table is read yet."""
-    from .loader import OpenedModel, expected_shapes
+    from .loader import OpenedModel, expected_shapes, optional_shapes
 
     gg = GGUFCheckpoint(path)
     arch = for_gguf(gg.metadata, str(gg.files[0]))
     cfg = config_from_gguf(arch, gg)
     layout = arch.expert_layouts[0]
     dense = dense_expected(cfg, arch, expected_shapes(cfg, arch, layout), layout)
-    names = hf_names(cfg, arch, dense, gg)
+    optional = optional_shapes(cfg, arch)
+    names = hf_names(cfg, arch, dense, gg, optional)
+    shapes = {**dense, **{n: s for n, s in optional.items() if n in names}}
     experts = GGUFExperts(gg, cfg)
-    return OpenedModel(Path(path), cfg, arch, GGUFDense(gg, names, dense, arch, cfg), layout, experts)
+    return OpenedModel(Path(path), cfg, arch, GGUFDense(gg, names, shapes, arch, cfg), layout, experts)
