@@ -234,22 +234,26 @@ def run_suite(args, url: str) -> dict:
         res = suite_prefill(client, text, model, args.prompt_tokens or 2048, max_tokens)
     else:
         res = suite_turns(client, text, model, args.turn_tokens, max_tokens, args.target_ctx)
-    hit = _scrape_hit_rate(client)
-    if hit is not None:
-        res["cache_hit_rate"] = hit
+    res.update(_scrape_ours(client))
     return {"suite": args.suite, "url": url, "model": model, "text": label, "max_tokens": max_tokens, **res}
 
 
-def _scrape_hit_rate(client: Client) -> float | None:
-    """Our server's expert-cache hit rate since start, when the server is ours."""
+# Our server's gauges (since start) that the results carry, when the server is ours.
+SCRAPED = {"expertcache_cache_hit_rate": "cache_hit_rate",
+           "expertcache_prefill_bytes_read_per_token": "prefill_bytes_read_per_token"}
+
+
+def _scrape_ours(client: Client) -> dict:
+    out = {}
     try:
         with client._open("/metrics") as r:
             for line in r.read().decode().splitlines():
-                if line.startswith("expertcache_cache_hit_rate "):
-                    return float(line.split()[1])
+                name, _, value = line.partition(" ")
+                if name in SCRAPED:
+                    out[SCRAPED[name]] = float(value)
     except (ExpertCacheError, ValueError):
         pass
-    return None
+    return out
 
 
 # ---- output ----
@@ -289,13 +293,15 @@ def _free_port() -> int:
 def serve_argv(args, mode: str, port: int) -> list[str]:
     argv = [sys.executable, "-m", "expertcache.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
             "--port", str(port), "--cache-mode", mode, "--cache-policy", args.cache_policy, "--store", args.store,
-            "--ubatch", str(args.ubatch), "--device", args.device, "--kernels", args.kernels]
+            "--ubatch", str(args.ubatch), "--device", args.device, "--kernels", args.kernels,
+            "--prefill-stretch", str(args.prefill_stretch)]
     if mode == "cache":
         for flag, v in (("--cache-experts", args.cache_experts), ("--cache-mem", args.cache_mem),
                         ("--cache-fraction", args.cache_fraction)):
             if v is not None:
                 argv += [flag, str(v)]
-    for flag, v in (("-t", args.threads), ("-c", args.ctx_size), ("--dtype", args.dtype)):
+    for flag, v in (("-t", args.threads), ("-c", args.ctx_size), ("--dtype", args.dtype),
+                    ("--prefill-mem", args.prefill_mem)):
         if v is not None:
             argv += [flag, str(v)]
     return argv
@@ -391,7 +397,7 @@ def cmd_bench_serve(args) -> int:
 
 
 def add_parser(suites) -> None:
-    from ..flags import add_cache_flags, add_kernels_flag, positive_int
+    from ..flags import add_cache_flags, add_kernels_flag, add_prefill_flags, positive_int
 
     p = suites.add_parser("serve", help="measure an OpenAI-compatible server: steady, prefill or turns")
     p.add_argument("--suite", choices=SUITE_NAMES, required=True)
@@ -414,6 +420,7 @@ def add_parser(suites) -> None:
     add_kernels_flag(g)
     g.add_argument("--device", default="cpu")
     g.add_argument("--ubatch", type=positive_int, default=512)
+    add_prefill_flags(g)
     g.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default: 300)")
     add_cache_flags(p)
     p.set_defaults(func=cmd_bench_serve)
