@@ -5,6 +5,7 @@ vision tower is skipped); cache modes and errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -345,3 +346,46 @@ def test_packed_checkpoint_gives_the_same_logits(gemma4, tmp_path, capsys):
     packed = expertcache.load(tmp_path / "packed")
     assert packed.net.weights.layers[0].block_w.layer_scalar is not None
     assert torch.equal(packed.logits(ids), expertcache.load(d).logits(ids))
+
+
+def test_synth_preset_has_the_published_shapes():
+    """`synth --like gemma-4-26b-a4b`: google/gemma-4-26B-A4B's text config (docs/model.md)."""
+    from expertcache.models import for_model_type
+    from expertcache.models.synth import synth_config
+
+    raw = synth_config("gemma-4-26b-a4b", layers=2)
+    cfg = for_model_type(raw["model_type"], "synth").config_from_hf(raw)
+    assert cfg.layer_types == (S, F)
+    assert (cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size, cfg.intermediate_size,
+            cfg.vocab_size, cfg.hidden_act, cfg.final_logit_softcapping) == (
+        2816, 128, 8, 704, 2112, 262144, "gelu_pytorch_tanh", 30.0)
+    s, f = cfg.sliding, cfg.full
+    assert (s.heads, s.kv_heads, s.head_dim, s.window, s.theta, s.k_eq_v) == (16, 8, 256, 1024, 1e4, False)
+    assert (f.heads, f.kv_heads, f.head_dim, f.window, f.theta, f.rotary_factor, f.k_eq_v) == (
+        16, 2, 512, None, 1e6, 0.25, True)
+
+
+@pytest.mark.parametrize("quant,types", [("q4_k_m", [("Q4_K", "Q5_0"), ("Q4_K", "Q8_0")]),
+                                         ("bf16", [("BFLOAT16", "BFLOAT16")] * 2)])
+def test_synth_gguf_has_the_presets_shapes_and_runs(tmp_path, quant, types):
+    """The GGUF form (as llama.cpp's converter writes a gemma4): the config read back from its
+    metadata is the preset's; Q4_K_M's expert rows of 704 take llama.cpp's fallback types."""
+    from expertcache.models import for_model_type
+    from expertcache.models.synth import synth_config
+    from expertcache.models.synth_gguf import synth_gguf
+
+    kw = dict(layers=2, experts=2, top_k=1, vocab=300)
+    path = synth_gguf(tmp_path / f"g4-{quant}.gguf", "gemma-4-26b-a4b", quant=quant, progress=False, **kw)
+    model = expertcache.load(path, cache=CacheConfig(mode="cache", experts=1))
+    want = for_model_type("gemma4_text", "synth").config_from_hf(synth_config("gemma-4-26b-a4b", **kw))
+    got = model.cfg
+    for field in ("layer_types", "sliding", "full", "hidden_size", "num_experts", "top_k", "moe_intermediate_size",
+                  "intermediate_size", "vocab_size", "final_logit_softcapping", "hidden_act", "tie_word_embeddings"):
+        g, w = getattr(got, field), getattr(want, field)
+        if field in ("sliding", "full"):  # GGUF holds eps as a float32
+            g, w = dataclasses.replace(g, eps=0.0), dataclasses.replace(w, eps=0.0)
+        assert g == w, field
+    fmts = [[m.storage for m in model.experts.formats[i].matrices] for i in range(2)]
+    assert [tuple(getattr(t, "name", str(t).removeprefix("torch.").upper()) for t in f) for f in fmts] == types
+    out = model.generate([5, 6, 7], max_tokens=2, ignore_eos=True)
+    assert len(out.token_ids) == 2

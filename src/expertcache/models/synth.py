@@ -16,6 +16,7 @@ from ..config import parse_dtype
 from ..errors import ExpertCacheError
 from . import for_model_type
 from .loader import expected_shapes
+from .gemma4 import default_layer_types as gemma4_layer_types
 from .qwen3_5_moe import default_layer_types
 
 PRESETS = {
@@ -36,6 +37,21 @@ PRESETS = {
                             max_position_embeddings=262144, rms_norm_eps=1e-6,
                             rope_parameters={"rope_type": "default", "rope_theta": 1e7,
                                              "partial_rotary_factor": 0.25}),
+    # Gemma 4 26B-A4B (google/gemma-4-26B-A4B, its config.json's text_config): 30 layers, five
+    # sliding-window layers (window 1024, 16 query / 8 kv heads of 256) to one full layer (16
+    # query / 2 kv heads of 512, k-eq-v, proportional RoPE over a quarter); every layer a dense
+    # GeGLU MLP of width 2112 beside 128 experts of GeGLU width 704, top-8; a tied LM head
+    # soft-capped at 30. `--layers 2` gives one sliding and one full layer.
+    "gemma-4-26b-a4b": dict(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], hidden_size=2816,
+                            num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+                            num_global_key_value_heads=2, attention_k_eq_v=True, sliding_window=1024,
+                            enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+                            intermediate_size=2112, num_hidden_layers=30, vocab_size=262144,
+                            max_position_embeddings=262144, rms_norm_eps=1e-6, final_logit_softcapping=30.0,
+                            hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                             "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                                                "partial_rotary_factor": 0.25}}),
     # Qwen3-235B-A22B's expert shape at a smaller width is not useful here; a small preset for tests.
     "tiny": dict(model_type="qwen3_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, intermediate_size=96,
@@ -51,20 +67,27 @@ def synth_config(like: str, layers: int | None = None, experts: int | None = Non
     raw = dict(PRESETS[like])
     if layers is not None:
         raw["num_hidden_layers"] = layers
+    gemma = raw["model_type"] == "gemma4_text"
     if experts is not None:
         raw["num_experts"] = experts
     if top_k is not None:
-        raw["num_experts_per_tok"] = top_k
+        raw["top_k_experts" if gemma else "num_experts_per_tok"] = top_k
     if vocab is not None:
         if vocab < 260:
             raise ExpertCacheError(f"vocab {vocab} must be at least 260 (256 bytes and the special tokens)")
         raw["vocab_size"] = vocab
     if raw["model_type"] == "qwen3_5_moe_text":
         raw["layer_types"] = list(default_layer_types(raw["num_hidden_layers"], raw["full_attention_interval"]))
+    elif gemma:
+        raw["layer_types"] = list(gemma4_layer_types(raw["num_hidden_layers"]))
     else:
         raw.update(architectures=["Qwen3MoeForCausalLM"], mlp_only_layers=[], decoder_sparse_step=1)
-    raw.update(hidden_act="silu", tie_word_embeddings=False, attention_bias=False, eos_token_id=257,
-               bos_token_id=None, dtype=str(parse_dtype(dtype, "dtype")).removeprefix("torch."))
+    if gemma:  # GeGLU, tied embeddings
+        raw.update(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+    else:
+        raw.update(hidden_act="silu", tie_word_embeddings=False)
+    raw.update(attention_bias=False, eos_token_id=257, bos_token_id=None,
+               dtype=str(parse_dtype(dtype, "dtype")).removeprefix("torch."))
     return raw
 
 
@@ -80,7 +103,7 @@ def synth(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None = 2, 
 
     def random(shape, name):
         def produce():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "scale")):  # Gemma 4's router and expert scales too
                 # A unit scale: w, or 1 + w where the family adds the 1 (but its gated DeltaNet norm).
                 zero = arch.unit_offset_norms and not name.endswith("linear_attn.norm.weight")
                 yield (torch.zeros if zero else torch.ones)(shape, dtype=torch_dtype)
