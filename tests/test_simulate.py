@@ -8,6 +8,7 @@ import pytest
 
 from expertcache.bench.simulate import (
     SimResult,
+    compare,
     brute_force_min_misses,
     simulate,
     simulate_belady,
@@ -140,6 +141,13 @@ def test_prefetch_counts_a_hand_trace():
                           prefetch_wasted=1)
     with pytest.raises(ValueError, match="3 predictions for 4 ops"):
         simulate(ops, 3, "lru", 10, predictions[:3])
+    with pytest.raises(ValueError, match="loads on demand only"):
+        simulate(ops, 3, Belady(3, trace_keys(ops)), 10, predictions)
+    # compare: each policy's row, then the same with prefetch, both against MIN without it
+    rows = compare(ops, [3], ["lru"], 10, predictions)
+    assert [(c.result.policy, c.prefetch) for c in rows] == [("belady", False), ("lru", False), ("lru", True)]
+    assert rows[2].result == r and rows[2].belady == rows[0].result
+    assert rows[2].noncompulsory_vs_belady is None and rows[2].as_dict()["prefetch"] is True
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

@@ -66,6 +66,8 @@ def simulate(ops: Sequence[Op], capacity: int, policy: str | Policy, expert_byte
         policy = make_policy(policy, capacity)
     if predictions is not None and len(predictions) != len(ops):
         raise ValueError(f"{len(predictions)} predictions for {len(ops)} ops: expected one (or None) per op")
+    if predictions is not None and isinstance(policy, Belady):
+        raise ValueError("Belady's MIN loads on demand only: replay prefetch with a runtime policy")
     residency = Residency(capacity, policy)
     hits = misses = evictions = ranges = 0
     issued = used = wasted = 0
