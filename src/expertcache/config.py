@@ -212,6 +212,7 @@ STORES = ("ram", "mmap", "disk")
 # The eviction policies by name; `tiers.policy` implements each (a test checks the two agree).
 POLICY_NAMES = ("lru", "lfu", "s3fifo", "arc", "lrfu")
 DEFAULT_POLICY = "lrfu"
+PREFETCH_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +224,10 @@ class CacheConfig:
     The config is complete and checked when built, before any weight is read. `mode=None` picks
     the mode from the other fields: `cache` when a size, another store or `verify` is given,
     `resident` otherwise. `trace_every` > 0 prints a counter line on stderr every that many ops.
+    `prefetch` (`cache` mode only): load the experts predicted for the next MoE op while the
+    current one computes; `auto` turns it on where the copies do not compete with compute (a GPU,
+    or the `disk` store), see `prefetch_active`. `prefetch_width`: experts predicted per token, as
+    a multiple of top-k (0 predicts nothing).
     """
 
     mode: str | None = None
@@ -233,6 +238,8 @@ class CacheConfig:
     store: str = "ram"
     verify: bool = False
     trace_every: int = 0
+    prefetch: str = "auto"
+    prefetch_width: float = 1.0
 
     def __post_init__(self) -> None:
         given = [n for n in ("experts", "mem", "fraction") if getattr(self, n) is not None]
@@ -257,6 +264,21 @@ class CacheConfig:
         if self.fraction is not None and not (isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1):
             raise ExpertCacheError(f"cache fraction {self.fraction!r} must be in (0, 1]")
         _check_int("trace_every", self.trace_every, 0)
+        if self.prefetch not in PREFETCH_MODES:
+            raise ExpertCacheError(f"unknown prefetch setting {self.prefetch!r}: expected one of "
+                                   f"{', '.join(PREFETCH_MODES)}")
+        w = self.prefetch_width
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 64:
+            raise ExpertCacheError(f"prefetch width {w!r} must be a number in [0, 64] (a multiple of top-k)")
+
+    def prefetch_active(self, device_type: str) -> bool:
+        """Whether an op's copies for the next op's prediction are made early: only in `cache` mode,
+        at a width > 0; `auto` where a copy does not take the cores compute runs on (a GPU's copy
+        engine, a disk read), not for RAM-to-RAM copies on a CPU (`ram`, and `mmap` once the page
+        cache holds the file), which compete with compute for memory bandwidth."""
+        if self.mode != "cache" or self.prefetch == "off" or self.prefetch_width == 0:
+            return False
+        return self.prefetch == "on" or device_type == "cuda" or self.store == "disk"
 
     @property
     def sized(self) -> bool:

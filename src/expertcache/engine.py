@@ -22,6 +22,7 @@ from .kernels import select as select_kernels
 from .models.decoder import Decoder
 from .models.layers import KVCache
 from .models.loader import load_dense, open_model
+from .models.predict import NextOpPredictions
 from .tiers import build_experts, make_store_for
 from .tiers.cache import ExpertCache
 from .sampling import Sampler, SamplingParams
@@ -152,6 +153,22 @@ class Model:
     def resize_cache(self, cache: CacheConfig) -> None:
         """Reallocate the expert cache at another size or mode; its slots are invalidated (reason `pool`)."""
         self.experts.resize(cache)
+        self._wire_prefetch()
+
+    def _wire_prefetch(self, residual: bool = True) -> None:
+        """With prefetch active, the cache asks the next op's prediction of a `NextOpPredictions`
+        on this decoder (its residual hook too, unless `residual` is False: another holds it)."""
+        ours = self.experts.predict if isinstance(self.experts.predict, NextOpPredictions) else None
+        if ours is not None:  # unhook the previous one, if it still is the decoder's
+            if self.net.residual_hook is ours.own:
+                self.net.residual_hook = None
+            if self.net.forward_hook == ours.begin:
+                self.net.forward_hook = None
+            self.experts.predict = None
+        if self.experts.prefetching:
+            predictions = NextOpPredictions(self.net, self.experts.config.prefetch_width, self.experts.prefetch)
+            predictions.attach(residual=residual)
+            self.experts.predict = predictions
 
     def begin_call(self) -> None:
         """Start a top-level call (a forward, a generation, a perplexity run)."""
@@ -165,6 +182,11 @@ class Model:
         self.cfg, self.net, _ = _assemble(self.path, self.options, old.kernels, self.experts)
         self.net.routing_hook, self.net.routing_override, self.net.residual_hook, self.net.timer = (
             old.routing_hook, old.routing_override, old.residual_hook, old.timer)
+        self.net.forward_hook = old.forward_hook
+        ours = self.experts.predict
+        if isinstance(ours, NextOpPredictions):  # the predictor reads the new weights' routers
+            own = old.residual_hook is ours.own
+            self._wire_prefetch(residual=own)
         self.version += 1
 
     # ---- forwards ----
@@ -362,7 +384,9 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     if threads is not None:
         torch.set_num_threads(threads)
     cfg, net, experts = _assemble(path, options, None, None)
-    return Model(path, options, cfg, net, _tokenizer(path, tokenizer), experts)
+    model = Model(path, options, cfg, net, _tokenizer(path, tokenizer), experts)
+    model._wire_prefetch()
+    return model
 
 
 def _tokenizer(path: Path, directory: str | os.PathLike | None) -> Tokenizer | None:

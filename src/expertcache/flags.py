@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .config import CACHE_MODES, DEFAULT_POLICY, POLICY_NAMES, STORES, CacheConfig
+from .config import CACHE_MODES, DEFAULT_POLICY, POLICY_NAMES, PREFETCH_MODES, STORES, CacheConfig
 from .kernels import KERNELS
 
 
@@ -82,6 +82,10 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
                    help=f"eviction policy: {', '.join(POLICY_NAMES)} (default: {DEFAULT_POLICY})")
     g.add_argument("--store", choices=STORES, default="ram", help="slow tier for experts (default: ram)")
     g.add_argument("--cache-verify", action="store_true", help="checksum every slot on fill and read")
+    g.add_argument("--prefetch", choices=PREFETCH_MODES, default="auto",
+                   help="load the experts predicted for the next MoE op while this one computes (cache mode): "
+                        "auto (default: on with a GPU or --store disk), on, off")
+    add_prefetch_width_flag(g)
 
 
 def cache_config(args) -> CacheConfig:
@@ -94,7 +98,8 @@ def cache_config(args) -> CacheConfig:
         trace = int(every) if every.isdigit() and int(every) > 0 else 100
     return CacheConfig(mode=args.cache_mode, experts=args.cache_experts, mem=args.cache_mem,
                        fraction=args.cache_fraction, policy=args.cache_policy, store=args.store,
-                       verify=args.cache_verify, trace_every=trace)
+                       verify=args.cache_verify, trace_every=trace, prefetch=getattr(args, "prefetch", "auto"),
+                       prefetch_width=getattr(args, "prefetch_width", 1.0))
 
 
 def prefetch_width(text: str) -> float:

@@ -15,6 +15,11 @@ OP_COUNTERS = (
     "ops_seen", "used_experts_unique", "loaded_experts_before", "resident_hits", "resident_misses",
     "copied_experts", "copied_bytes", "copy_ranges", "skipped_experts", "skipped_bytes", "empty_copy_ops",
     "evictions", "waves",
+    # Prefetch (docs/cache.md, "Prefetch"): used experts neither resident nor prefetched when their
+    # op began (= resident_misses); experts a prefetch planned; of those, hit by an op before being
+    # evicted, and evicted unused. Prefetch copies count in copied_* and copy_ranges, and their
+    # victims in evictions, under the prefetched experts' layer.
+    "demand_misses", "prefetch_issued", "prefetch_used", "prefetch_wasted",
 )
 INVALIDATION_REASONS = ("source", "dtype", "shape", "expert_count", "pool")
 
@@ -33,14 +38,21 @@ class Telemetry:
         self.load_copied_bytes = 0
         self.copy_failures = 0  # copies that failed; their slots were left empty
         self.copy_seconds = 0.0  # wall time spent issuing copies (on a CPU: doing them)
+        self.prefetch_copy_seconds = 0.0  # the same for prefetch copies (on the worker thread)
+        self.stall_seconds = 0.0  # wall time compute waited before a wave: its copies, or prefetches
         self.trace_every = trace_every
         self._ops = 0
 
-    def op(self, layer: int, used: int, loaded_before: int, hits: int, copied: int, ranges: int,
-           evictions: int, waves: int) -> None:
+    def _layer(self, layer: int) -> Counter:
         c = self.layers.get(layer)
         if c is None:
             c = self.layers[layer] = Counter({k: 0 for k in OP_COUNTERS})
+        return c
+
+    def op(self, layer: int, used: int, loaded_before: int, hits: int, copied: int, ranges: int,
+           evictions: int, waves: int, prefetch_used: int = 0, wasted=()) -> None:
+        """One MoE op; `wasted`: the unused prefetched keys (layer, expert) it evicted."""
+        c = self._layer(layer)
         c["ops_seen"] += 1
         c["used_experts_unique"] += used
         c["loaded_experts_before"] += loaded_before
@@ -55,9 +67,24 @@ class Telemetry:
         c["empty_copy_ops"] += copied == 0
         c["evictions"] += evictions
         c["waves"] += waves
+        c["demand_misses"] += used - hits
+        c["prefetch_used"] += prefetch_used
+        for key in wasted:
+            self._layer(key.layer)["prefetch_wasted"] += 1
         self._ops += 1
         if self.trace_every and self._ops % self.trace_every == 0:
             print(self.line(), file=sys.stderr, flush=True)
+
+    def prefetched(self, layer: int, issued: int, ranges: int, evictions: int, wasted=()) -> None:
+        """One prefetch planned: `issued` experts of `layer` to copy in `ranges` transfers."""
+        c = self._layer(layer)
+        c["prefetch_issued"] += issued
+        c["copied_experts"] += issued
+        c["copied_bytes"] += issued * self.expert_bytes[layer]
+        c["copy_ranges"] += ranges
+        c["evictions"] += evictions
+        for key in wasted:
+            self._layer(key.layer)["prefetch_wasted"] += 1
 
     def total(self) -> dict:
         t = Counter({k: 0 for k in OP_COUNTERS})
@@ -74,7 +101,9 @@ class Telemetry:
                 f"hits={t['resident_hits']} misses={t['resident_misses']} hit_rate={t['hit_rate']:.3f} "
                 f"copied={t['copied_experts']} ({t['copied_bytes'] / 1e6:.1f} MB in {t['copy_ranges']} ranges) "
                 f"evictions={t['evictions']} empty_copy_ops={t['empty_copy_ops']} "
-                f"invalidations={sum(self.invalidations.values())}")
+                f"invalidations={sum(self.invalidations.values())} demand_misses={t['demand_misses']} "
+                f"prefetch issued={t['prefetch_issued']} used={t['prefetch_used']} wasted={t['prefetch_wasted']} "
+                f"stall={self.stall_seconds:.3f}s")
 
     def as_dict(self) -> dict:
         return {
@@ -87,6 +116,8 @@ class Telemetry:
             "load_copied_bytes": self.load_copied_bytes,
             "copy_failures": self.copy_failures,
             "copy_seconds": self.copy_seconds,
+            "prefetch_copy_seconds": self.prefetch_copy_seconds,
+            "stall_seconds": self.stall_seconds,
         }
 
 

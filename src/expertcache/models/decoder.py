@@ -89,6 +89,9 @@ class Decoder:
         # A hook that sees each layer's residual stream once its mixer has run, before its
         # feed-forward block: (layer, h [T, D]). Predictors of the next layer's experts use it.
         self.residual_hook: Callable[[int, torch.Tensor], None] | None = None
+        # A hook that sees each forward's tokens [T] before its first layer runs (the first MoE
+        # layer's experts are predicted from them, for prefetch).
+        self.forward_hook: Callable[[torch.Tensor], None] | None = None
         # The MoE op's buffers, kept across ops (a prefill stretch needs hundreds of MB).
         self.workspace = Workspace()
         # Set by benchmarks to split a step's time into parts; None costs nothing.
@@ -130,6 +133,8 @@ class Decoder:
         if self.timer is not None:
             self.timer.start()
         T = tokens.shape[0]
+        if self.forward_hook is not None:
+            self.forward_hook(tokens)
         chunk = T if chunk is None else max(1, min(chunk, T))
         kv.begin(T)
         base = kv.length

@@ -93,6 +93,10 @@ class RouterPredictor:
     def take(self, layer: int) -> torch.Tensor | None:
         return self._pending.pop(layer, None)
 
+    def peek(self, layer: int) -> torch.Tensor | None:
+        """The prediction `take` would hand out, left in place."""
+        return self._pending.get(layer)
+
     def clear(self) -> None:
         self._pending.clear()
 
@@ -115,3 +119,58 @@ def width_experts(width: float, top_k: int, limit: int) -> int:
     if not width >= 0:
         raise ExpertCacheError(f"prefetch width must be a number >= 0 (a multiple of top-k), got {width!r}")
     return min(limit, math.ceil(width * top_k - 1e-9))
+
+
+class NextOpPredictions:
+    """What a prefetching cache plans: the predicted experts of each MoE op, named when the op
+    before it is planned (docs/cache.md, "Prefetch").
+
+    `attach()` makes a `RouterPredictor` ranking `width_experts(width)` experts per token the
+    decoder's residual hook, and `begin` its forward hook. The predictions are read from whatever
+    `RouterPredictor` is the residual hook at the time (a trace recorder's while it records), so
+    that what a recorded trace says was predicted is what was prefetched. `begin(tokens)` plans the
+    first MoE layer's prediction at the start of a forward (`plan(layer, experts)`); `self(layer)`,
+    the cache's `predict`, names the next MoE layer's once `layer`'s op is planned.
+    """
+
+    def __init__(self, decoder, width: float, plan):
+        cfg = decoder.cfg
+        self.decoder, self.plan = decoder, plan
+        self.n = width_experts(width, cfg.top_k, cfg.num_experts)
+        self.own = RouterPredictor(decoder, self.n) if self.n else None
+        self.first = cfg.moe_layers[0]
+        self.next = next_moe_layers(cfg.moe_layers)
+
+    def attach(self, residual: bool = True) -> None:
+        """Hook into the decoder (the residual hook only with `residual`: another may hold it)."""
+        if residual:
+            self.decoder.residual_hook = self.own
+        self.decoder.forward_hook = self.begin
+
+    def _source(self) -> RouterPredictor | None:
+        hook = self.decoder.residual_hook
+        return hook if isinstance(hook, RouterPredictor) and hook.decoder is self.decoder else None
+
+    def _experts(self, source: RouterPredictor, layer: int) -> list[int] | None:
+        ranked = source.peek(layer)  # [T, P]
+        if ranked is None or not self.n:
+            return None
+        n = min(self.n, ranked.shape[1])
+        return op_prediction(ranked[:, :n].tolist(), n)
+
+    def begin(self, tokens: torch.Tensor) -> None:
+        source = self._source()
+        if source is None:
+            return
+        if source is self.own:  # a recorder ranks the first layer itself, before the forward
+            source.clear()
+            source.predict_first(tokens)
+        experts = self._experts(source, self.first)
+        if experts:
+            self.plan(self.first, experts)
+
+    def __call__(self, layer: int) -> tuple[int, list[int]] | None:
+        nxt = self.next.get(layer)
+        source = self._source() if nxt is not None else None
+        experts = self._experts(source, nxt) if source is not None else None
+        return (nxt, experts) if experts else None

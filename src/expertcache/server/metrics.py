@@ -26,6 +26,10 @@ _HELP = {
     "empty_copy_ops": "MoE ops that copied nothing",
     "evictions": "experts evicted from the cache",
     "waves": "waves of MoE ops that needed more experts than the cache has slots",
+    "demand_misses": "used experts neither resident nor prefetched when their op began",
+    "prefetch_issued": "experts a prefetch planned to copy",
+    "prefetch_used": "prefetched experts an op used before they were evicted",
+    "prefetch_wasted": "prefetched experts evicted before any op used them",
 }
 
 
@@ -59,8 +63,12 @@ class ServerCollector(Collector):
                           ("pre_invalid_hit", "cleared slots that the next op would have hit"),
                           ("load_copied_experts", "experts copied while loading or resizing"),
                           ("load_copied_bytes", "bytes copied while loading or resizing"),
-                          ("copy_failures", "copies from the slow tier that failed (their slots left empty)")):
+                          ("copy_failures", "copies from the slow tier that failed (their slots left empty)"),
+                          ("stall_seconds", "seconds compute waited for expert copies (its own or prefetches)"),
+                          ("prefetch_copy_seconds", "seconds the prefetch worker spent copying")):
             yield CounterMetricFamily(f"{PREFIX}_cache_{name}", doc, value=t.get(name, 0))
+        yield GaugeMetricFamily(f"{PREFIX}_cache_prefetch_active", "1 when predicted experts are copied early",
+                                value=1 if t.get("prefetch") else 0)
         total = t.get("total", {})
         yield GaugeMetricFamily(f"{PREFIX}_cache_hit_rate", "resident hits / used experts since start",
                                 value=total.get("hit_rate", 0.0))

@@ -15,13 +15,23 @@ op's experts wave by wave; leaving it (exhausted, closed or on error) releases w
 
 Modes: `cache` (the slot cache), `resident` (every expert in a slot from the start: the upper
 bound) and `staging` (the control: every op copies every expert it uses, no reuse).
+
+Prefetch (`cache` mode, docs/cache.md "Prefetch"): right after an op is planned, `predict(layer)`
+names the next op's predicted experts and `prefetch` plans them (`Residency.plan_prefetch`: the
+bookkeeping the trace simulator replays); their copies run on a worker thread (`CopyWorker`) while
+the op computes. An op that hits a prefetched expert takes its copy over if it has not started,
+waits for it if it runs, and copies it itself if it failed; a prefetch whose expert lost its slot
+before its copy started is not copied; a failed one leaves the bookkeeping, as a failed demand
+copy does.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +45,11 @@ from .layout import ExpertFormat, ExpertWeights, expert_weights
 from .policy import ExpertKey, make_policy
 from .residency import Residency
 from .store import LARGE_LOAD_BYTES, ExpertStore, FileVersion, file_version
-from .transfer import Transfers
+from .transfer import CopyJob, CopyWorker, Transfers
+
+# After an op of a layer is planned: the next op's layer and its predicted experts (distinct,
+# best first), or None.
+Predict = Callable[[int], "tuple[int, list[int]] | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +67,8 @@ class ExpertCache:
         self._adopt_geometry(store)
         self.telemetry_ = Telemetry(self.expert_bytes, config.trace_every)
         self._pending_invalid: dict[int, set[int]] = {}
+        self.predict: Predict | None = None  # set by the engine when prefetch is active
+        self._worker: CopyWorker | None = None
         self._allocate(self._capacity_for(config))
 
     def _adopt_geometry(self, store: ExpertStore) -> None:
@@ -78,6 +94,8 @@ class ExpertCache:
 
     def _allocate(self, capacity: int) -> None:
         self.capacity = capacity
+        self._pending: dict[int, tuple[CopyJob, int]] = {}  # slot -> the prefetch copy planned into it
+        self._jobs: list[CopyJob] = []  # prefetch jobs submitted and not yet reaped
         try:
             self.pool = host_zeros((capacity, self.slot_bytes), torch.uint8, self.device)  # [S, slot bytes]
         except (RuntimeError, MemoryError) as e:
@@ -109,6 +127,7 @@ class ExpertCache:
 
     def resize(self, config: CacheConfig) -> None:
         """Reallocate the pool at a new size; every slot is invalidated (reason `pool`)."""
+        self.quiesce()
         self._invalidate_all("pool")
         self.config = config
         self.mode = config.mode
@@ -121,24 +140,39 @@ class ExpertCache:
         list of (expert, weights), valid until the next wave; closing the generator releases them."""
         if self.mode == "staging":
             self.residency.clear()  # no reuse: the control copies every expert every op
+        self._reap()
         plan = self.residency.plan(layer, experts)
+        if self._pending:
+            self._sync_pending()
+        if self.predict is not None and self.prefetching:
+            nxt = self.predict(layer)
+            if nxt is not None:
+                self.prefetch(*nxt)
         pending = self._pending_invalid.pop(layer, None)
         if pending:
             self.telemetry_.pre_invalid_hit += len(pending.intersection(experts))
         views = self.views[layer]
         copied = ranges = 0
         done = 0  # waves whose copies completed; the residency of later waves' fills is only a plan
+        demand = self._worker.demand if self._worker is not None else nullcontext
         try:
             for wave in plan.waves:
-                if wave.fills:
-                    try:
-                        ranges += self._copy_wave(layer, wave)
-                    except BaseException:
-                        self.telemetry_.copy_failures += 1
-                        raise
-                    copied += len(wave.fills)
+                t0 = time.perf_counter()
+                with demand():
+                    if self._pending:
+                        copied += self._take_prefetched(layer, wave)
+                    if wave.fills:
+                        if self._worker is not None:
+                            self._worker.wait_for_slots([s for _, s in wave.fills])
+                        try:
+                            ranges += self._copy_wave(layer, wave)
+                        except BaseException:
+                            self.telemetry_.copy_failures += 1
+                            raise
+                        copied += len(wave.fills)
                 done += 1
                 self.transfers.before_compute()
+                self.telemetry_.stall_seconds += time.perf_counter() - t0
                 if self.config.verify:
                     for e, s in zip(wave.experts, wave.slots):
                         self._verify(layer, e, s)
@@ -151,10 +185,14 @@ class ExpertCache:
             # remaining copies had never been planned: their slots are not marked resident.
             self._unplan(layer, plan.waves[done:])
         self.telemetry_.op(layer, len(experts), plan.loaded_before, len(plan.hits), copied, ranges,
-                           len(plan.evicted), len(plan.waves))
+                           len(plan.evicted), len(plan.waves), prefetch_used=len(plan.prefetched),
+                           wasted=plan.wasted)
 
     def _unplan(self, layer: int, waves: list) -> None:
-        keys = [ExpertKey(layer, e) for w in waves for e, _ in w.fills]
+        self._drop_keys([ExpertKey(layer, e) for w in waves for e, _ in w.fills])
+
+    def _drop_keys(self, keys: list[ExpertKey]) -> None:
+        """The keys leave the bookkeeping and their slots are marked empty (their copies did not happen)."""
         if not keys:
             return
         slots = [self.residency.slot_of(k) for k in keys]
@@ -164,30 +202,191 @@ class ExpertCache:
                 self.content[s] = None
                 self.checksums[s] = None
 
+    def _pieces(self, layer: int, runs) -> list[tuple[int, int, int]]:
+        """Runs (first expert, first slot, n) as the store copies them: a run that is not one
+        range of the slow tier goes expert by expert."""
+        out = []
+        for e0, s0, n in runs:
+            if n > 1 and not self.store.contiguous_run(layer, e0, n):
+                out.extend((e0 + i, s0 + i, 1) for i in range(n))
+            else:
+                out.append((e0, s0, n))
+        return out
+
+    def _ranges(self, layer: int, runs) -> int:
+        """Transfers (reads of the slow tier) that copying `runs` issues."""
+        return sum(self.store.ranges(layer, first, count) for first, _, count in self._pieces(layer, runs))
+
     def _copy_wave(self, layer: int, wave) -> int:
         """Issue the wave's copies; return how many transfers were issued."""
         issued = 0
         t0 = time.perf_counter()
-        for e0, s0, n in wave.copy_runs:
-            if n > 1 and not self.store.contiguous_run(layer, e0, n):
-                pieces = [(e0 + i, s0 + i, 1) for i in range(n)]
-            else:
-                pieces = [(e0, s0, n)]
-            for first, slot, count in pieces:
-                dst = self.pool[slot: slot + count]
-                self.transfers.copy(list(range(slot, slot + count)),
-                                    lambda nb, f=first, d=dst: self.store.copy_run(layer, f, d, nb))
-                issued += self.store.ranges(layer, first, count)
+        for first, slot, count in self._pieces(layer, wave.copy_runs):
+            dst = self.pool[slot: slot + count]
+            self.transfers.copy(list(range(slot, slot + count)),
+                                lambda nb, f=first, d=dst: self.store.copy_run(layer, f, d, nb))
+            issued += self.store.ranges(layer, first, count)
         self.telemetry_.copy_seconds += time.perf_counter() - t0
-        version = self.store.versions
-        fmt = self.formats[layer]
-        for e, s in wave.fills:
-            path = self.store.file_of(layer, e)
-            self.content[s] = SlotContent(ExpertKey(layer, e), version[path], fmt, fmt.nbytes)
-            if self.config.verify:
+        self._describe(layer, wave.fills)
+        if self.config.verify:
+            for _, s in wave.fills:
                 self.transfers.synchronize()
                 self.checksums[s] = self._checksum(s)
         return issued
+
+    def _describe(self, layer: int, fills) -> None:
+        version = self.store.versions
+        fmt = self.formats[layer]
+        for e, s in fills:
+            path = self.store.file_of(layer, e)
+            self.content[s] = SlotContent(ExpertKey(layer, e), version[path], fmt, fmt.nbytes)
+            self.checksums[s] = None
+
+    # ---- prefetch ----
+    @property
+    def prefetching(self) -> bool:
+        """Whether predicted experts are copied early (`CacheConfig.prefetch_active`)."""
+        return self.config.prefetch_active(self.device.type)
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Plan `experts` of `layer` (distinct ids, best first), predicted for the next op, now
+        (`Residency.plan_prefetch`) and copy them in the background. Does nothing when prefetch is
+        not active, nor before the first op (the trace simulator plans a prediction only after an
+        op)."""
+        if not experts or not self.prefetching or self.residency.ops_planned == 0:
+            return
+        self._reap()
+        pf = self.residency.plan_prefetch(layer, list(experts))
+        if self._pending:
+            self._sync_pending()
+        self.telemetry_.prefetched(layer, len(pf.experts), self._ranges(layer, pf.copy_runs), len(pf.evicted),
+                                   pf.wasted)
+        if not pf.experts:
+            return
+        self._describe(layer, zip(pf.experts, pf.slots))
+        worker = self._start_worker()
+        for e0, s0, n in pf.copy_runs:
+            job = CopyJob(layer, list(range(e0, e0 + n)), list(range(s0, s0 + n)))
+            for i, s in enumerate(job.slots):
+                self._pending[s] = (job, i)
+            self._jobs.append(job)
+            worker.submit(job)
+
+    def _start_worker(self) -> CopyWorker:
+        if self._worker is None:
+            ref = weakref.ref(self)
+
+            def run(job: CopyJob) -> None:  # holds the cache weakly: a dropped model frees its pool
+                cache = ref()
+                if cache is None:
+                    raise ExpertCacheError("the expert cache was closed")
+                cache._run_job(job)
+
+            self._worker = CopyWorker(run)
+            weakref.finalize(self, self._worker.close)
+        return self._worker
+
+    def _run_job(self, job: CopyJob) -> None:
+        """A prefetch job's live experts into their slots (on the worker, or on the caller that took
+        it over); in verify mode, their checksums."""
+        live = [(e, s) for e, s, ok in zip(job.experts, job.slots, job.live) if ok]
+        runs = []
+        for e, s in live:
+            if runs and e == runs[-1][0] + runs[-1][2] and s == runs[-1][1] + runs[-1][2]:
+                runs[-1][2] += 1
+            else:
+                runs.append([e, s, 1])
+        pieces = self._pieces(job.layer, runs)
+        t0 = time.perf_counter()
+
+        def do_copy(nb: bool) -> None:
+            for first, slot, count in pieces:
+                self.store.copy_run(job.layer, first, self.pool[slot: slot + count], nb)
+
+        job.event = self.transfers.prefetch_copy([s for _, s in live], do_copy)
+        self.telemetry_.prefetch_copy_seconds += time.perf_counter() - t0
+        if self.config.verify:
+            if job.event is not None:
+                job.event.synchronize()
+            for _, s in live:
+                self.checksums[s] = self._checksum(s)
+
+    def _take_prefetched(self, layer: int, wave) -> int:
+        """Make the wave's prefetched experts whose copies are pending ready: a copy not started is
+        done here (the demand path takes it over), one running is waited for, one that failed is
+        made again here. Returns the copies made again."""
+        again = 0
+        for e, s in zip(wave.experts, wave.slots):
+            entry = self._pending.get(s)
+            if entry is None:
+                continue
+            job, i = entry
+            if (job.layer, job.experts[i]) != (layer, e):
+                continue
+            if self._worker.claim(job):
+                self._worker.wait_for_slots(job.slots)
+                self._worker.run_claimed(job)
+            else:
+                job.done.wait()
+            del self._pending[s]
+            if job.error is None:
+                self.transfers.wait_prefetched(job.event)
+                continue
+            job.live[i] = False  # made again here: `_reap` leaves it resident
+            try:
+                self._copy_wave(layer, _Fill(e, s))
+            except BaseException:
+                self.telemetry_.copy_failures += 1
+                self._drop_keys([ExpertKey(layer, e)])
+                raise
+            again += 1
+        return again
+
+    def _sync_pending(self) -> None:
+        """Prefetch copies whose expert lost its slot (evicted, invalidated) are not made if they
+        have not started; one running is waited for before its slot is written again."""
+        for s, (job, i) in list(self._pending.items()):
+            if self.residency.key_in(s) != ExpertKey(job.layer, job.experts[i]):
+                del self._pending[s]
+                if self._worker is not None:
+                    self._worker.drop(job, i)
+
+    def _reap(self) -> None:
+        """Roll back prefetches whose copy failed: their experts leave the bookkeeping (an op that
+        needs one copies it on demand), as those of a failed demand copy do."""
+        if not self._jobs:
+            return
+        keep, failed = [], []
+        for job in self._jobs:
+            if not job.done.is_set():
+                keep.append(job)
+                continue
+            if job.error is None:
+                continue
+            self.telemetry_.copy_failures += 1
+            for i, (e, s) in enumerate(zip(job.experts, job.slots)):
+                if self._pending.get(s) == (job, i):
+                    del self._pending[s]
+                    if job.live[i]:
+                        failed.append(ExpertKey(job.layer, e))
+        self._jobs = keep
+        self._drop_keys(failed)
+
+    def quiesce(self) -> None:
+        """Let every prefetch copy finish and roll back the failed ones (before the pool or the
+        slow tier changes, and for tests that look at the slots)."""
+        if self._worker is not None:
+            self._worker.drain()
+            self.transfers.synchronize()
+        self._reap()
+
+    def prefetching_mask(self, layer: int) -> int:
+        """Bit e set when expert e of `layer` was prefetched and its copy has not finished."""
+        mask = 0
+        for job, i in list(self._pending.values()):
+            if job.layer == layer and not job.done.is_set() and job.live[i]:
+                mask |= 1 << job.experts[i]
+        return mask
 
     # ---- verify mode ----
     def _checksum(self, slot: int) -> int:
@@ -217,6 +416,7 @@ class ExpertCache:
     def set_store(self, store: ExpertStore) -> dict[str, int]:
         """Switch to a new slow tier (the checkpoint changed); invalidate exactly the slots whose
         description no longer matches, counted by reason. Returns the counts of this change."""
+        self.quiesce()
         old = self.store
         src = store.source
         if src.num_experts != self.num_experts or list(src.layers) != self.moe_layers:
@@ -248,6 +448,7 @@ class ExpertCache:
     def _invalidate(self, keys: list[ExpertKey], reason: str) -> None:
         if not keys:
             return
+        self.quiesce()
         slots = {k: self.residency.slot_of(k) for k in keys}
         dropped = self.residency.invalidate(keys)
         for key in dropped:
@@ -265,5 +466,22 @@ class ExpertCache:
         out = self.telemetry_.as_dict()
         out.update(mode=self.mode, policy=self.config.policy, store=self.store.name, capacity=self.capacity,
                    total_experts=self.total_experts, expert_bytes=max(self.expert_bytes.values()),
-                   slot_bytes=self.slot_bytes, pool_bytes=self.capacity * self.slot_bytes)
+                   slot_bytes=self.slot_bytes, pool_bytes=self.capacity * self.slot_bytes,
+                   prefetch=self.prefetching, prefetch_width=self.config.prefetch_width)
         return out
+
+
+@dataclass(slots=True)
+class _Fill:
+    """One expert copied into one slot, shaped as a wave for `_copy_wave`."""
+
+    expert: int
+    slot: int
+
+    @property
+    def fills(self) -> list[tuple[int, int]]:
+        return [(self.expert, self.slot)]
+
+    @property
+    def copy_runs(self) -> list[tuple[int, int, int]]:
+        return [(self.expert, self.slot, 1)]

@@ -5,10 +5,16 @@ on a dedicated stream with non-blocking transfers from pinned memory; each slot 
 event of the last kernel that read it, a refill of that slot waits on that event and nothing
 else, and compute waits only for the copies of the wave it is about to run (and for nothing when
 nothing was copied).
+
+Prefetch copies (`CopyWorker`) run on a thread of their own, one job at a time, and never start
+while a demand copy is being made; on a GPU the worker issues them on a second, lower-priority
+stream and records an event after each job, which compute waits on before reading its slots.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -17,24 +23,55 @@ import torch
 class Transfers:
     def __init__(self, device: torch.device, capacity: int):
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        # Demand copies at a higher priority than prefetch copies (lower number, higher priority).
+        self.stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
+        self.prefetch_stream = torch.cuda.Stream(device, priority=0) if self.cuda else None
         self.last_reader: list = [None] * capacity
+        self.last_prefetch: list = [None] * capacity  # event after the last prefetch copy into each slot
         self._pending = False
 
     def copy(self, slots: list[int], do_copy: Callable[[bool], None]) -> None:
-        """Run `do_copy(non_blocking)` to fill `slots`, after their last readers have finished."""
+        """Run `do_copy(non_blocking)` to fill `slots`, after their last readers (and any
+        prefetch copy into them) have finished."""
         if not self.cuda:
             do_copy(False)
             return
         with torch.cuda.stream(self.stream):
             waited = set()
             for s in slots:
-                ev = self.last_reader[s]
-                if ev is not None and id(ev) not in waited:
-                    self.stream.wait_event(ev)
-                    waited.add(id(ev))
+                for ev in (self.last_reader[s], self.last_prefetch[s]):
+                    if ev is not None and id(ev) not in waited:
+                        self.stream.wait_event(ev)
+                        waited.add(id(ev))
             do_copy(True)
         self._pending = True
+
+    def prefetch_copy(self, slots: list[int], do_copy: Callable[[bool], None]):
+        """On the prefetch worker: `do_copy(non_blocking)` into `slots` after their last readers
+        and the demand copies issued so far; returns the event compute waits on (None on a CPU,
+        where the copy is done when this returns)."""
+        if not self.cuda:
+            do_copy(False)
+            return None
+        with torch.cuda.stream(self.prefetch_stream):
+            self.prefetch_stream.wait_stream(self.stream)
+            waited = set()
+            for s in slots:
+                ev = self.last_reader[s]
+                if ev is not None and id(ev) not in waited:
+                    self.prefetch_stream.wait_event(ev)
+                    waited.add(id(ev))
+            do_copy(True)
+            done = torch.cuda.Event()
+            done.record(self.prefetch_stream)
+        for s in slots:
+            self.last_prefetch[s] = done
+        return done
+
+    def wait_prefetched(self, event) -> None:
+        """Make compute wait for a prefetch job's copies (nothing on a CPU)."""
+        if self.cuda and event is not None:
+            torch.cuda.current_stream().wait_event(event)
 
     def before_compute(self) -> None:
         """Make the compute stream wait for the copies issued since the last call, if any."""
@@ -55,4 +92,139 @@ class Transfers:
     def synchronize(self) -> None:
         if self.cuda:
             self.stream.synchronize()
+            self.prefetch_stream.synchronize()
             torch.cuda.current_stream().synchronize()
+
+
+# ---- prefetch copies ---------------------------------------------------------------------------
+
+QUEUED, RUNNING, DONE = "queued", "running", "done"
+
+
+class CopyJob:
+    """One prefetch copy: a run of experts of one layer into consecutive slots. `live[i]` turns
+    False when expert i's slot was given to another key before the copy started (the copy skips
+    it). Once RUNNING, only the thread running it touches it until `done` is set."""
+
+    __slots__ = ("layer", "experts", "slots", "live", "state", "error", "done", "event")
+
+    def __init__(self, layer: int, experts: list[int], slots: list[int]):
+        self.layer, self.experts, self.slots = layer, experts, slots
+        self.live = [True] * len(experts)
+        self.state = QUEUED
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.event = None  # on a GPU: recorded on the prefetch stream after the job's copies
+
+
+class CopyWorker:
+    """A thread that runs queued copy jobs one at a time, in order, and never starts one while a
+    demand copy is being made (`demand()`): prefetch yields to demand. A queued job can be
+    `claim`ed, and the caller then runs it itself (the demand path takes it over); a running one
+    is waited for. `run(job)` does the copies; what it raises is kept in `job.error`."""
+
+    def __init__(self, run: Callable[[CopyJob], None], name: str = "expertcache-prefetch"):
+        self._run = run
+        self._cond = threading.Condition()
+        self._queue: deque[CopyJob] = deque()
+        self._running: CopyJob | None = None
+        self._demand = 0
+        self._closed = False
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, job: CopyJob) -> None:
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify_all()
+
+    def claim(self, job: CopyJob) -> bool:
+        """Take a queued job from the worker: True when the caller must now run it; False when it
+        is running or done."""
+        with self._cond:
+            if job.state != QUEUED:
+                return False
+            self._queue.remove(job)
+            job.state = RUNNING
+            return True
+
+    def run_claimed(self, job: CopyJob) -> None:
+        """Run a job `claim` handed over, in the calling thread; its error, if any, is kept."""
+        try:
+            self._run(job)
+        except Exception as e:
+            job.error = e
+        finally:
+            with self._cond:
+                job.state = DONE
+                job.done.set()
+
+    def drop(self, job: CopyJob, i: int) -> bool:
+        """Expert i of `job` is not to be copied: True when the job had not started (nothing of it
+        was written); False when it is running or done (wait before reusing its slot)."""
+        with self._cond:
+            if job.state != QUEUED:
+                return False
+            job.live[i] = False
+            if not any(job.live):
+                self._queue.remove(job)
+                job.state = DONE
+                job.done.set()
+            return True
+
+    def wait_for_slots(self, slots) -> None:
+        """Wait for the job the worker is running if it writes any of `slots`."""
+        with self._cond:
+            job = self._running
+        if job is not None and not set(job.slots).isdisjoint(slots):
+            job.done.wait()
+
+    def drain(self) -> None:
+        """Wait until every queued job has run."""
+        with self._cond:
+            jobs = list(self._queue) + ([self._running] if self._running is not None else [])
+        for job in jobs:
+            job.done.wait()
+
+    def demand(self) -> _Demand:
+        return _Demand(self)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (not self._queue or self._demand):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self._queue.popleft()
+                job.state = RUNNING
+                self._running = job
+            try:
+                self._run(job)
+            except BaseException as e:  # kept for the cache, which rolls its bookkeeping back
+                job.error = e
+            with self._cond:
+                self._running = None
+                job.state = DONE
+                job.done.set()
+
+
+class _Demand:
+    """While open, the worker starts no new job (one already running finishes)."""
+
+    def __init__(self, worker: CopyWorker):
+        self.worker = worker
+
+    def __enter__(self) -> None:
+        with self.worker._cond:
+            self.worker._demand += 1
+
+    def __exit__(self, *exc) -> None:
+        with self.worker._cond:
+            self.worker._demand -= 1
+            self.worker._cond.notify_all()

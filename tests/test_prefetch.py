@@ -1,0 +1,309 @@
+"""Prefetch in the runtime: the counters are exactly the trace simulator's for the same run, the
+logits never depend on it (sizes, widths, policies, stores, a slowed and a failing worker), and a
+failed prefetch leaves no slot claiming an expert it does not hold."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import expertcache
+from expertcache import CacheConfig, ExpertCacheError
+from expertcache.bench.simulate import simulate
+from expertcache.bench.trace import TraceRecorder
+from expertcache.errors import CopyError
+from expertcache.flags import Parser, add_cache_flags, cache_config
+from expertcache.models.pack import pack
+from expertcache.telemetry import OP_COUNTERS
+from expertcache.tiers.policy import ExpertKey
+from conftest import VOCAB
+
+IDS = torch.randint(4, VOCAB, (24,), generator=torch.Generator().manual_seed(5))
+PROMPT = IDS[:10].tolist()
+WORKER = "expertcache-prefetch"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The bundled model (32 experts, top-4, 4 MoE layers) and a packed tiny Qwen2-MoE of another
+    shape: 16 experts, top-4, a shared expert, MoE layers 1 and 3 between dense ones."""
+    from conftest import build_reference, save_checkpoint, tiny_config
+
+    root = tmp_path_factory.mktemp("prefetch")
+    ref = build_reference(tiny_config("qwen2_moe", experts=16, top_k=4, layers=4, dense=True), seed=7)
+    qwen2 = pack(save_checkpoint(ref, root / "plain"), root / "packed", progress=False)
+    return {"bundled": None, "qwen2": qwen2}
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """Each model's logits and greedy tokens with every expert resident."""
+    out = {}
+    for name, path in models.items():
+        m = expertcache.load(path, cache=CacheConfig(mode="resident"))
+        out[name] = (m.logits(IDS), m.generate(PROMPT, max_tokens=6, ignore_eos=True).token_ids)
+    return out
+
+
+def _load(path, **cache):
+    return expertcache.load(path, cache=CacheConfig(mode="cache", **cache))
+
+
+def _check(model, want) -> None:
+    logits, tokens = want
+    for _ in range(2):  # the second pass starts from what the first left resident
+        assert torch.equal(model.logits(IDS), logits)
+    assert model.generate(PROMPT, max_tokens=6, ignore_eos=True).token_ids == tokens
+
+
+def _slots_hold_what_they_claim(cache) -> int:
+    """Every resident key's slot holds that expert's bytes as the slow tier gives them."""
+    cache.quiesce()
+    n = 0
+    for key in cache.residency.resident_keys():
+        slot = cache.residency.slot_of(key)
+        want = torch.zeros_like(cache.pool[slot: slot + 1])
+        cache.store.copy_run(key.layer, key.expert, want)
+        assert torch.equal(cache.pool[slot], want[0]), (key, slot)
+        n += 1
+    return n
+
+
+# ---- counters: the runtime is the simulator's replay ----------------------------------------
+
+
+@pytest.mark.parametrize("name", ["bundled", "qwen2"])
+def test_runtime_counters_equal_the_simulator(models, name):
+    path = models[name]
+    for policy, capacity, width in [("lrfu", 5, 1.0), ("lru", 9, 1.5), ("s3fifo", 16, 2.0), ("arc", 12, 1.0),
+                                    ("lfu", 24, 0.5), ("lru", 3, 1.0)]:
+        model = _load(path, experts=capacity, policy=policy, prefetch="on", prefetch_width=width)
+        rec = TraceRecorder.for_model(model, predict=True)
+        rec.generate(model, PROMPT, max_tokens=6, ubatch=4, ignore_eos=True)
+        with rec.attached(model):
+            model.logits(IDS)
+        rec.generate(model, IDS[3:9].tolist(), max_tokens=4, ignore_eos=True)
+        t = rec.trace()
+        total = model.telemetry()["total"]
+        sim = simulate(t.ops(), model.experts.capacity, policy, t.header.expert_bytes, t.predictions(width))
+        got = (total["ops_seen"], total["resident_hits"], total["demand_misses"], total["evictions"],
+               total["copied_bytes"], total["copy_ranges"], total["prefetch_issued"], total["prefetch_used"],
+               total["prefetch_wasted"])
+        want = (sim.ops, sim.hits, sim.misses, sim.evictions, sim.bytes_moved, sim.copy_ranges,
+                sim.prefetch_issued, sim.prefetch_used, sim.prefetch_wasted)
+        assert got == want, (name, policy, capacity, width)
+        # At 3 slots every op (top-4) fills the cache: nothing is left to prefetch into.
+        assert (sim.prefetch_issued > 0 and sim.prefetch_used > 0) == (capacity > 3)
+        assert total["demand_misses"] == total["resident_misses"]
+
+
+def test_runtime_predictor_is_what_the_recorder_records(models):
+    # Without a recorder the runtime's own predictor plans: the same counters as with one.
+    counters = []
+    for record in (False, True):
+        model = _load(models["bundled"], experts=20, prefetch="on", prefetch_width=1.5)
+        if record:
+            TraceRecorder.for_model(model, predict=True).generate(model, PROMPT, max_tokens=6, ignore_eos=True)
+        else:
+            model.generate(PROMPT, max_tokens=6, ignore_eos=True)
+        counters.append({k: model.telemetry()["total"][k] for k in OP_COUNTERS})
+    assert counters[0] == counters[1] and counters[0]["prefetch_issued"] > 0
+
+
+def test_prefetch_lowers_demand_misses_on_the_bundled_model(models):
+    rows = {}
+    for pf in ("off", "on"):
+        model = _load(models["bundled"], fraction=0.25, prefetch=pf)
+        model.generate(PROMPT, max_tokens=24, ignore_eos=True)
+        rows[pf] = model.telemetry()["total"]
+    assert rows["off"]["prefetch_issued"] == 0
+    assert rows["on"]["demand_misses"] < rows["off"]["demand_misses"]
+
+
+# ---- results never depend on prefetch -------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["bundled", "qwen2"])
+@pytest.mark.parametrize("store", ["ram", "mmap", "disk"])
+def test_logits_bitwise_equal_with_prefetch(models, reference, name, store):
+    for policy, size, width in [("lrfu", 1, 1.0), ("lru", 6, 2.0), ("s3fifo", 12, 1.0), ("lrfu", 0.5, 1.5),
+                                ("arc", 1.0, 1.0)]:
+        sized = {"fraction": size} if isinstance(size, float) else {"experts": size}
+        model = _load(models[name], store=store, policy=policy, prefetch="on", prefetch_width=width, **sized)
+        _check(model, reference[name])
+        if size != 1.0 and size != 1:
+            assert model.telemetry()["total"]["prefetch_issued"] > 0, (store, policy, size)
+        _slots_hold_what_they_claim(model.experts)
+
+
+def test_slowed_worker_changes_nothing(models, reference):
+    model = _load(models["qwen2"], experts=10, store="disk", prefetch="on", prefetch_width=2.0)
+
+    def slow(_n):
+        if threading.current_thread().name == WORKER:
+            time.sleep(0.003)
+
+    model.experts.store.read_hook = slow
+    _check(model, reference["qwen2"])
+    t = model.telemetry()
+    assert t["total"]["prefetch_used"] > 0 and t["copy_failures"] == 0 and t["stall_seconds"] > 0
+    _slots_hold_what_they_claim(model.experts)
+
+
+@pytest.mark.parametrize("name", ["bundled", "qwen2"])
+def test_failing_worker_rolls_back_and_demand_recovers(models, reference, name):
+    model = _load(models[name], experts=12, store="disk", prefetch="on", prefetch_width=1.5)
+    failed = []
+
+    def fail(_n):
+        if threading.current_thread().name == WORKER:
+            failed.append(1)
+            raise CopyError("injected read failure")
+
+    model.experts.store.read_hook = fail
+    _check(model, reference[name])
+    assert failed and model.telemetry()["copy_failures"] > 0
+    assert _slots_hold_what_they_claim(model.experts) > 0
+    # Every failure after the first few: still the same bits.
+    _check(model, reference[name])
+    _slots_hold_what_they_claim(model.experts)
+
+
+def test_failed_prefetch_leaves_its_slots_empty(models):
+    # The worker fails every read; what it planned must leave the bookkeeping: after a wait, no
+    # resident key is one whose copy only the worker would have made.
+    model = _load(models["qwen2"], experts=10, store="disk", prefetch="on", prefetch_width=2.0)
+    cache = model.experts
+    model.logits(IDS[:1])  # op 0 plans nothing: let some ops pass first; the last pins 4 slots
+
+    def fail(_n):
+        if threading.current_thread().name == WORKER:
+            raise CopyError("injected read failure")
+
+    cache.store.read_hook = fail
+    layer = cache.moe_layers[0]
+    resident = {k.expert for k in cache.residency.resident_keys() if k.layer == layer}
+    wanted = [e for e in range(cache.num_experts) if e not in resident][:3]
+    cache.prefetch(layer, wanted)
+    assert all(cache.residency.is_resident(ExpertKey(layer, e)) for e in wanted)
+    cache.quiesce()
+    assert not any(cache.residency.is_resident(ExpertKey(layer, e)) for e in wanted)
+    assert cache.telemetry()["copy_failures"] >= 1
+
+
+def test_a_prefetch_not_started_is_taken_over(models, reference):
+    # The worker starts no job (as if a demand copy never ended): every prefetch an op needs is
+    # copied by the demand path, once; the counters stay those of a free worker, the bits the
+    # reference's.
+    counters = []
+    for held in (False, True):
+        model = _load(models["qwen2"], experts=10, store="ram", prefetch="on", prefetch_width=2.0)
+        model.logits(IDS[:3])
+        worker = model.experts._start_worker()
+        if held:
+            worker.drain()
+            with worker._cond:
+                worker._demand += 1
+        try:
+            _check(model, reference["qwen2"])
+            if held:
+                assert worker._queue  # predicted, never used, never copied
+        finally:
+            if held:
+                with worker._cond:
+                    worker._demand -= 1
+                    worker._cond.notify_all()
+        counters.append({k: model.telemetry()["total"][k] for k in OP_COUNTERS})
+        _slots_hold_what_they_claim(model.experts)
+    assert counters[0] == counters[1] and counters[1]["prefetch_used"] > 0
+
+
+# ---- configuration, flags, reporting ---------------------------------------------------------
+
+
+def test_prefetch_config_and_where_auto_turns_it_on():
+    assert CacheConfig().prefetch == "auto" and CacheConfig().prefetch_width == 1.0
+    on = {(mode, store, dev): CacheConfig(mode=mode, store=store, experts=4).prefetch_active(dev)
+          for mode in ("cache", "staging", "resident") for store in ("ram", "mmap", "disk")
+          for dev in ("cpu", "cuda")}
+    assert {k for k, v in on.items() if v} == {("cache", "disk", "cpu"), ("cache", "ram", "cuda"),
+                                               ("cache", "mmap", "cuda"), ("cache", "disk", "cuda")}
+    assert CacheConfig(experts=4, prefetch="on").prefetch_active("cpu")
+    assert not CacheConfig(experts=4, store="disk", prefetch="off").prefetch_active("cpu")
+    assert not CacheConfig(experts=4, prefetch="on", prefetch_width=0).prefetch_active("cpu")
+    with pytest.raises(ExpertCacheError, match="unknown prefetch setting 'yes'"):
+        CacheConfig(prefetch="yes")
+    with pytest.raises(ExpertCacheError, match="prefetch width -1"):
+        CacheConfig(prefetch_width=-1)
+
+
+def test_prefetch_flags():
+    p = Parser(prog="x")
+    add_cache_flags(p)
+    c = cache_config(p.parse_args(["--cache-experts", "4", "--prefetch", "on", "--prefetch-width", "1.5"]))
+    assert (c.prefetch, c.prefetch_width) == ("on", 1.5)
+    assert cache_config(p.parse_args([])).prefetch == "auto"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--prefetch", "sometimes"])
+
+
+def test_telemetry_line_json_and_metrics(models):
+    from expertcache.server.metrics import ServerCollector
+
+    model = _load(models["qwen2"], experts=10, store="disk", prefetch="auto")
+    model.generate(PROMPT, max_tokens=4, ignore_eos=True)
+    t = model.telemetry()
+    assert t["prefetch"] is True and t["total"]["prefetch_issued"] > 0 and t["stall_seconds"] > 0
+    for layer in t["layers"].values():
+        assert {"demand_misses", "prefetch_issued", "prefetch_used", "prefetch_wasted"} <= set(layer)
+    line = model.experts.telemetry_.line()
+    assert f"demand_misses={t['total']['demand_misses']}" in line and "prefetch issued=" in line
+    assert "stall=" in line
+
+    class NoScheduler:
+        slots = []
+
+        def snapshot(self):
+            from types import SimpleNamespace
+
+            return SimpleNamespace(requests=0, aborted=0, errors=0, prompt_tokens=0, cached_tokens=0,
+                                   predicted_tokens=0, prompt_seconds=0.0, predicted_seconds=0.0,
+                                   processing=0, deferred=0)
+
+    names = {m.name for m in ServerCollector(model, NoScheduler()).collect()}
+    assert {"expertcache_cache_prefetch_issued", "expertcache_cache_prefetch_used",
+            "expertcache_cache_prefetch_wasted", "expertcache_cache_demand_misses",
+            "expertcache_cache_stall_seconds", "expertcache_cache_prefetch_active"} <= names
+
+
+def test_prefetch_is_off_in_other_modes_and_by_default_on_ram(models):
+    for cache in (CacheConfig(mode="resident"), CacheConfig(mode="staging", store="disk"),
+                  CacheConfig(mode="cache", experts=8)):
+        model = expertcache.load(models["qwen2"], cache=cache)
+        model.generate(PROMPT, max_tokens=3, ignore_eos=True)
+        assert model.telemetry()["total"]["prefetch_issued"] == 0 and model.net.residual_hook is None
+
+
+def test_resize_and_reload_keep_prefetch_on_the_new_weights(models, reference, tmp_path):
+    import shutil
+
+    path = shutil.copytree(models["qwen2"], tmp_path / "m")
+    model = _load(path, experts=10, store="disk", prefetch="on")
+    _check(model, reference["qwen2"])
+    old = model.net
+    # A checkpoint rewritten with the same bytes under a new version: reloaded, predictor rebuilt.
+    for f in path.glob("*.safetensors"):
+        data = f.read_bytes()
+        f.unlink()
+        f.write_bytes(data)
+    _check(model, reference["qwen2"])
+    assert model.net is not old and model.net.residual_hook.decoder is model.net
+    model.resize_cache(CacheConfig(mode="cache", experts=6, store="disk", prefetch="off"))
+    assert model.net.residual_hook is None and model.experts.predict is None
+    _check(model, reference["qwen2"])
+    model.resize_cache(CacheConfig(mode="cache", experts=14, store="disk", prefetch="on", prefetch_width=2.0))
+    _check(model, reference["qwen2"])
+    assert model.telemetry()["total"]["prefetch_used"] > 0
