@@ -382,8 +382,8 @@ class LRFU(Policy):
 
     Each key has a score, the sum over its past uses of 2^(-age / half_life), age in ops (the op
     index of `begin_op`): a use adds 1 and the score halves every `half_life` ops (default
-    4 x capacity: the best of 1 to 8 x, or within 2% of it, at 25% and 50% capacity on the bundled
-    model's traces but one, where it is 7% behind; docs/benchmarks.md). Evicts the resident,
+    4 x capacity: the best of 1 to 8 x, or within about 2% of it, at 25% and 50% capacity on
+    the bundled model's traces; docs/benchmarks.md). Evicts the resident,
     unpinned key with the lowest score; ties go to the least recently used, then the smaller key.
     A short half-life makes it LRU, a long one LFU.
 
