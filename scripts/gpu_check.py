@@ -14,6 +14,12 @@
    cache at 25% must read at most 1.2x all expert bytes host-to-device (one stretch), shown beside
    micro-batches of 512 and the resident mode's speed; decode and prefill speed in resident,
    staging and cache modes at 25/50/75% with the pinned RAM store.
+4. Prefetch (a second, lower-priority copy stream with events): on the small checkpoint, logits
+   and greedy tokens bitwise equal to the resident mode's with prefetch on and off at several
+   widths, sizes, policies and stores; the counters exactly those of the trace simulator replaying
+   the run's routing and predictions; a prefetch worker slowed down or failing (the disk store's
+   read hook) changes no bit and leaves every resident slot holding its expert's bytes.
+   `--only-prefetch` runs this check alone.
 Prints a table for each; exits 1 if any check fails.
 """
 
@@ -81,6 +87,85 @@ def exactness(device: str, root: Path) -> list[tuple[str, bool, str]]:
             rows.append((f"verify catches a corrupted slot, {dtype}", f"slot {slot}" in str(e), str(e)))
         model.experts.config.verify = False
         rows.append((f"compute reads the slots, {dtype}", not torch.equal(model.logits(ids), before), ""))
+    return rows
+
+
+def prefetch_checks(device: str, root: Path) -> list[tuple[str, bool, str]]:
+    import threading
+
+    from expertcache.bench.simulate import simulate
+    from expertcache.bench.trace import TraceRecorder
+    from expertcache.errors import CopyError
+
+    rows = []
+    plain = synth(root / "pf-tiny", like="tiny", layers=3, experts=32, top_k=4, vocab=512, dtype="bfloat16",
+                  progress=False)
+    packed = pack(plain, root / "pf-tiny-packed", progress=False)
+    ids = torch.randint(0, 512, (64,), generator=torch.Generator().manual_seed(2))
+    ref_model = expertcache.load(packed, device=device, cache=CacheConfig(mode="resident"))
+    base, base_gen = ref_model.logits(ids), ref_model.generate(ids[:12].tolist(), max_tokens=16,
+                                                               ignore_eos=True).token_ids
+
+    def slots_ok(cache) -> bool:
+        cache.quiesce()
+        for key in cache.residency.resident_keys():
+            slot = cache.residency.slot_of(key)
+            want = torch.zeros_like(cache.pool[slot: slot + 1])
+            cache.store.copy_run(key.layer, key.expert, want)
+            if not torch.equal(cache.pool[slot], want[0]):
+                return False
+        return True
+
+    n_ok, bad = 0, ""
+    configs = [(pf, w, n, p, st) for pf in ("off", "on") for w in (1.0, 2.0) for n in (4, 24, 48)
+               for p in ("lrfu", "lru") for st in ("ram", "mmap", "disk")]
+    for pf, width, n, policy, store in configs:
+        model = expertcache.load(packed, device=device, cache=CacheConfig(
+            mode="cache", experts=n, policy=policy, store=store, prefetch=pf, prefetch_width=width))
+        ok = all(torch.equal(model.logits(ids), base) for _ in range(2))
+        ok = ok and model.generate(ids[:12].tolist(), max_tokens=16, ignore_eos=True).token_ids == base_gen
+        ok = ok and slots_ok(model.experts)
+        n_ok += ok
+        if not ok and not bad:
+            bad = f"prefetch {pf} width {width} experts={n} {policy} {store}"
+    rows.append((f"prefetch on/off bitwise logits, greedy: {n_ok}/{len(configs)}", n_ok == len(configs), bad))
+
+    n_ok, bad = 0, ""
+    for n, width, store in ((8, 1.0, "ram"), (24, 2.0, "ram"), (24, 1.5, "disk")):
+        model = expertcache.load(packed, device=device, cache=CacheConfig(
+            mode="cache", experts=n, store=store, prefetch="on", prefetch_width=width))
+        rec = TraceRecorder.for_model(model, predict=True)
+        rec.generate(model, ids[:20].tolist(), max_tokens=12, ubatch=8, ignore_eos=True)
+        t = rec.trace()
+        total = model.telemetry()["total"]
+        sim = simulate(t.ops(), n, model.experts.config.policy, t.header.expert_bytes, t.predictions(width))
+        got = (total["resident_hits"], total["demand_misses"], total["evictions"], total["copied_bytes"],
+               total["prefetch_issued"], total["prefetch_used"], total["prefetch_wasted"])
+        want = (sim.hits, sim.misses, sim.evictions, sim.bytes_moved, sim.prefetch_issued, sim.prefetch_used,
+                sim.prefetch_wasted)
+        n_ok += got == want and sim.prefetch_issued > 0
+        if got != want and not bad:
+            bad = f"experts={n} width {width} {store}: runtime {got}, simulator {want}"
+    rows.append((f"prefetch counters equal the simulator's: {n_ok}/3", n_ok == 3, bad))
+
+    for what, action in (("slowed", "sleep"), ("failing", "raise")):
+        model = expertcache.load(packed, device=device, cache=CacheConfig(
+            mode="cache", experts=24, store="disk", prefetch="on", prefetch_width=2.0))
+
+        def hook(_n, action=action):
+            if threading.current_thread().name == "expertcache-prefetch":
+                if action == "sleep":
+                    time.sleep(0.005)
+                else:
+                    raise CopyError("injected read failure")
+
+        model.experts.store.read_hook = hook
+        ok = all(torch.equal(model.logits(ids), base) for _ in range(2))
+        ok = ok and model.generate(ids[:12].tolist(), max_tokens=16, ignore_eos=True).token_ids == base_gen
+        ok = ok and slots_ok(model.experts)
+        fails = model.telemetry()["copy_failures"]
+        ok = ok and (fails > 0) == (action == "raise")
+        rows.append((f"prefetch worker {what}: bitwise, slots hold their experts", ok, f"copy_failures={fails}"))
     return rows
 
 
@@ -182,6 +267,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--only-prefetch", action="store_true", help="run the prefetch checks alone")
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible to torch", file=sys.stderr)
@@ -191,11 +277,14 @@ def main() -> int:
     print(f"device {name}, torch {torch.__version__}, threads {args.threads}")
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        rows = exactness(args.device, Path(tmp)) + quantized(args.device)
+        if args.only_prefetch:
+            rows = prefetch_checks(args.device, Path(tmp))
+        else:
+            rows = exactness(args.device, Path(tmp)) + quantized(args.device) + prefetch_checks(args.device, Path(tmp))
         print(f"\n{'check':<64} result  ({time.perf_counter() - t0:.0f} s)")
         for what, ok, detail in rows:
             print(f"{what:<64} {'PASS' if ok else 'FAIL'}  {'' if ok else detail}")
-        if not args.skip_bench:
+        if not args.skip_bench and not args.only_prefetch:
             t0 = time.perf_counter()
             checks, res = long_prompt(args.device, Path(tmp))
             rows += checks

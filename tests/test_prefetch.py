@@ -229,8 +229,8 @@ def test_prefetch_config_and_where_auto_turns_it_on():
     on = {(mode, store, dev): CacheConfig(mode=mode, store=store, experts=4).prefetch_active(dev)
           for mode in ("cache", "staging", "resident") for store in ("ram", "mmap", "disk")
           for dev in ("cpu", "cuda")}
-    assert {k for k, v in on.items() if v} == {("cache", "disk", "cpu"), ("cache", "ram", "cuda"),
-                                               ("cache", "mmap", "cuda"), ("cache", "disk", "cuda")}
+    assert {k for k, v in on.items() if v} == {("cache", "ram", "cuda"), ("cache", "mmap", "cuda"),
+                                               ("cache", "disk", "cuda")}
     assert CacheConfig(experts=4, prefetch="on").prefetch_active("cpu")
     assert not CacheConfig(experts=4, store="disk", prefetch="off").prefetch_active("cpu")
     assert not CacheConfig(experts=4, prefetch="on", prefetch_width=0).prefetch_active("cpu")
@@ -253,7 +253,7 @@ def test_prefetch_flags():
 def test_telemetry_line_json_and_metrics(models):
     from expertcache.server.metrics import ServerCollector
 
-    model = _load(models["qwen2"], experts=10, store="disk", prefetch="auto")
+    model = _load(models["qwen2"], experts=10, store="disk", prefetch="on")
     model.generate(PROMPT, max_tokens=4, ignore_eos=True)
     t = model.telemetry()
     assert t["prefetch"] is True and t["total"]["prefetch_issued"] > 0 and t["stall_seconds"] > 0
@@ -279,9 +279,9 @@ def test_telemetry_line_json_and_metrics(models):
             "expertcache_cache_stall_seconds", "expertcache_cache_prefetch_active"} <= names
 
 
-def test_prefetch_is_off_in_other_modes_and_by_default_on_ram(models):
-    for cache in (CacheConfig(mode="resident"), CacheConfig(mode="staging", store="disk"),
-                  CacheConfig(mode="cache", experts=8)):
+def test_prefetch_is_off_in_other_modes_and_by_default_on_a_cpu(models):
+    for cache in (CacheConfig(mode="resident"), CacheConfig(mode="staging", store="disk", prefetch="on"),
+                  CacheConfig(mode="cache", experts=8), CacheConfig(mode="cache", experts=8, store="disk")):
         model = expertcache.load(models["qwen2"], cache=cache)
         model.generate(PROMPT, max_tokens=3, ignore_eos=True)
         assert model.telemetry()["total"]["prefetch_issued"] == 0 and model.net.residual_hook is None
@@ -307,3 +307,17 @@ def test_resize_and_reload_keep_prefetch_on_the_new_weights(models, reference, t
     model.resize_cache(CacheConfig(mode="cache", experts=14, store="disk", prefetch="on", prefetch_width=2.0))
     _check(model, reference["qwen2"])
     assert model.telemetry()["total"]["prefetch_used"] > 0
+
+
+def test_verify_mode_checks_prefetched_slots(models, reference):
+    model = _load(models["bundled"], experts=40, store="disk", prefetch="on", prefetch_width=1.5, verify=True)
+    _check(model, reference["bundled"])
+    cache = model.experts
+    assert model.telemetry()["total"]["prefetch_used"] > 0
+    cache.quiesce()
+    # Slots corrupted after their copies (prefetched ones among them) are caught when an op reads one.
+    assert cache.residency.prefetched_unused()
+    for key in cache.residency.resident_keys():
+        cache.pool[cache.residency.slot_of(key), 5] += 1
+    with pytest.raises(ExpertCacheError, match="verify: slot .* does not match the checksum"):
+        model.logits(IDS)

@@ -225,8 +225,8 @@ class CacheConfig:
     the mode from the other fields: `cache` when a size, another store or `verify` is given,
     `resident` otherwise. `trace_every` > 0 prints a counter line on stderr every that many ops.
     `prefetch` (`cache` mode only): load the experts predicted for the next MoE op while the
-    current one computes; `auto` turns it on where the copies do not compete with compute (a GPU,
-    or the `disk` store), see `prefetch_active`. `prefetch_width`: experts predicted per token, as
+    current one computes; `auto` turns it on where the copies do not compete with compute (a
+    GPU's copy engine), see `prefetch_active`. `prefetch_width`: experts predicted per token, as
     a multiple of top-k (0 predicts nothing).
     """
 
@@ -273,12 +273,13 @@ class CacheConfig:
 
     def prefetch_active(self, device_type: str) -> bool:
         """Whether an op's copies for the next op's prediction are made early: only in `cache` mode,
-        at a width > 0; `auto` where a copy does not take the cores compute runs on (a GPU's copy
-        engine, a disk read), not for RAM-to-RAM copies on a CPU (`ram`, and `mmap` once the page
-        cache holds the file), which compete with compute for memory bandwidth."""
+        at a width > 0; `auto` only on a GPU, whose copy engine does not take compute's cores. On a
+        CPU every store's copy ends in a copy through the cores that compute (RAM to RAM; a disk
+        read through the page cache), and the mispredicted experts add reads: measured slower on
+        2 cores (docs/benchmarks.md), so `auto` leaves it off there and `on` turns it on."""
         if self.mode != "cache" or self.prefetch == "off" or self.prefetch_width == 0:
             return False
-        return self.prefetch == "on" or device_type == "cuda" or self.store == "disk"
+        return self.prefetch == "on" or device_type == "cuda"
 
     @property
     def sized(self) -> bool:

@@ -1,6 +1,8 @@
 """`expertcache bench cache`: decode and prefill in resident, staging and cache modes at several
 capacities with each slow tier, measuring tok/s, hit rate, bytes copied per token, achieved copy
-bandwidth and peak resident memory.
+bandwidth and peak resident memory; in cache mode with prefetch on or off (`--prefetch both`
+measures both), with its counters and the time compute waited for copies. With `--route-trace`
+the routing follows a recorded trace, and so do the predictions prefetch plans (the trace's own).
 
 Each configuration runs in its own process, so that peak memory and the page cache of one do not
 leak into the next. Measure on a checkpoint well above the last-level cache (`expertcache synth`),
@@ -29,7 +31,8 @@ def run_one(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     cache = CacheConfig(mode=spec["mode"], fraction=spec.get("fraction"), store=spec["store"],
-                        policy=spec.get("policy") or CacheConfig().policy)
+                        policy=spec.get("policy") or CacheConfig().policy, prefetch=spec.get("prefetch", "auto"),
+                        prefetch_width=spec.get("prefetch_width", 1.0))
     t0 = time.perf_counter()
     model = expertcache.load(spec["model"], dtype=spec.get("dtype"), cache=cache,
                              ctx_size=spec["prefill"] + spec["decode"] + 8, kernels=spec.get("kernels", "torch"),
@@ -39,8 +42,16 @@ def run_one(spec: dict) -> dict:
     if spec.get("route_trace"):
         from .trace import load_trace
 
-        replay = RoutingReplay(load_trace(spec["route_trace"]), model.cfg)
+        trace = load_trace(spec["route_trace"])
+        replay = RoutingReplay(trace, model.cfg)
         model.net.routing_override = replay
+        # The model's own predictor would rank its experts for routing that is not used: plan the
+        # trace's recorded predictions instead (none recorded: no prefetch).
+        model.net.residual_hook = model.net.forward_hook = model.experts.predict = None
+        if model.experts.prefetching and trace.has_predictions:
+            predictions = PredictionReplay(trace, model.cfg, replay, cache.prefetch_width, model.experts.prefetch)
+            model.net.forward_hook = predictions.begin
+            model.experts.predict = predictions
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.cfg.vocab_size, (spec["prefill"],), generator=gen).tolist()
 
@@ -52,12 +63,18 @@ def run_one(spec: dict) -> dict:
         after = model.telemetry()
         tot_b, tot_a = before["total"], after["total"]
         d = {k: tot_a[k] - tot_b[k] for k in ("used_experts_unique", "resident_hits", "copied_experts",
-                                               "copied_bytes", "copy_ranges")}
+                                               "copied_bytes", "copy_ranges", "demand_misses", "prefetch_issued",
+                                               "prefetch_used", "prefetch_wasted")}
         copy_s = after["copy_seconds"] - before["copy_seconds"]
+        pf_s = after["prefetch_copy_seconds"] - before["prefetch_copy_seconds"]
         return {"tokens": n, "seconds": dt, "tok_s": n / dt,
+                "demand_misses": d["demand_misses"], "prefetch_issued": d["prefetch_issued"],
+                "prefetch_used": d["prefetch_used"], "prefetch_wasted": d["prefetch_wasted"],
+                "stall_seconds": after["stall_seconds"] - before["stall_seconds"], "prefetch_copy_seconds": pf_s,
                 "hit_rate": d["resident_hits"] / d["used_experts_unique"] if d["used_experts_unique"] else 0.0,
                 "copied_bytes_per_token": d["copied_bytes"] / n, "copy_ranges": d["copy_ranges"],
-                "copy_seconds": copy_s, "copy_gb_s": d["copied_bytes"] / copy_s / 1e9 if copy_s > 0 else 0.0}
+                "copy_seconds": copy_s,
+                "copy_gb_s": d["copied_bytes"] / (copy_s + pf_s) / 1e9 if copy_s + pf_s > 0 else 0.0}
 
     # Warm-up: a short prompt and a few decode steps, so that first-call costs are not measured.
     model.generate(prompt[:8], max_tokens=4, ignore_eos=True)
@@ -86,6 +103,7 @@ def run_one(spec: dict) -> dict:
 
     tel = model.telemetry()
     return {"mode": spec["mode"], "store": spec["store"], "fraction": spec.get("fraction"),
+            "prefetch": model.experts.predict is not None, "prefetch_width": cache.prefetch_width,
             "capacity": tel["capacity"], "total_experts": tel["total_experts"], "expert_bytes": tel["expert_bytes"],
             "policy": tel["policy"], "load_seconds": load_s, "prefill": prefill, "decode": dec,
             "expert_bytes_total": sum(model.experts.expert_bytes[i] for i in model.cfg.moe_layers) * model.cfg.num_experts,
@@ -134,16 +152,61 @@ class RoutingReplay:
         return Routing(weights, ids)
 
 
+class PredictionReplay:
+    """The trace's recorded predictions, for the ops `RoutingReplay` routes: once the op of MoE
+    layer l is planned, the next MoE layer's prediction for the rows it is about to take (the
+    union of their `width` predictions, `Trace.predictions`' rule); at a forward's start, the
+    first MoE layer's. Rows recorded without a prediction contribute none."""
+
+    def __init__(self, trace, cfg, replay: RoutingReplay, width: float, plan):
+        from ..models.predict import next_moe_layers, width_experts
+
+        h = trace.header
+        self.n = width_experts(width, h.top_k, h.pred_width)
+        starts = np.concatenate([[0], np.cumsum(trace.tokens)])
+        self.pred, self.has = {}, {}
+        for ours, theirs in zip(cfg.moe_layers, h.moe_layers):
+            ops = np.flatnonzero(trace.layer == theirs)
+            self.pred[ours] = np.concatenate([trace.pred[starts[i]: starts[i + 1], : self.n] for i in ops])
+            self.has[ours] = np.concatenate([np.full(trace.tokens[i], bool(trace.predicted[i])) for i in ops])
+        self.replay, self.plan = replay, plan
+        self.first, self.next = cfg.moe_layers[0], next_moe_layers(cfg.moe_layers)
+        self.T = 1
+
+    def _experts(self, layer: int) -> list[int] | None:
+        from ..models.predict import op_prediction
+
+        rows = (self.replay.pos[layer] + np.arange(self.T)) % len(self.pred[layer])
+        rows = rows[self.has[layer][rows]]
+        if not self.n or not len(rows):
+            return None
+        return op_prediction(self.pred[layer][rows].tolist(), self.n)
+
+    def begin(self, tokens) -> None:
+        self.T = int(tokens.shape[0])
+        experts = self._experts(self.first)
+        if experts:
+            self.plan(self.first, experts)
+
+    def __call__(self, layer: int):
+        nxt = self.next.get(layer)
+        experts = self._experts(nxt) if nxt is not None else None
+        return (nxt, experts) if experts else None
+
+
 def configurations(args) -> list[dict]:
     base = {"model": args.model, "threads": args.threads, "prefill": args.prefill, "decode": args.decode,
             "ubatch": args.ubatch, "dtype": args.dtype, "policy": args.cache_policy, "route_trace": args.route_trace,
-            "kernels": args.kernels, "prefill_stretch": args.prefill_stretch, "prefill_mem": args.prefill_mem}
+            "kernels": args.kernels, "prefill_stretch": args.prefill_stretch, "prefill_mem": args.prefill_mem,
+            "prefetch_width": args.prefetch_width}
+    prefetch = ["off", "on"] if args.prefetch == "both" else [args.prefetch]
     specs = []
     for store in args.stores.split(","):
         specs.append({**base, "mode": "resident", "store": store})
         specs.append({**base, "mode": "staging", "store": store})
         for f in args.fractions:
-            specs.append({**base, "mode": "cache", "store": store, "fraction": f})
+            for pf in prefetch:
+                specs.append({**base, "mode": "cache", "store": store, "fraction": f, "prefetch": pf})
     return specs
 
 
@@ -151,8 +214,9 @@ def table(rows: list[dict]) -> str:
     """One line per configuration: prefill tok/s (and as a ratio of the resident mode's on the
     same store), the slow tier's bytes per prompt token (and as a multiple of all expert bytes
     per stretch), then decode."""
-    head = (f"{'mode':<9}{'store':<6}{'cap':>6}{'slots':>7}  {'prefill t/s':>11}{'x res':>7}{'pf MB/tok':>10}"
-            f"{'x all':>7}  {'decode t/s':>10}{'hit rate':>9}{'MB/tok':>9}{'copy GB/s':>10}{'peak RSS MB':>12}")
+    head = (f"{'mode':<9}{'store':<6}{'cap':>6}{'slots':>7}{'pf':>4}  {'prefill t/s':>11}{'x res':>7}{'pf MB/tok':>10}"
+            f"{'x all':>7}  {'decode t/s':>10}{'hit rate':>9}{'MB/tok':>9}{'copy GB/s':>10}{'stall ms/t':>11}"
+            f"{'peak RSS MB':>12}")
     lines = [head, "-" * len(head)]
     resident = {r["store"]: r["prefill"]["tok_s"] for r in rows if r["mode"] == "resident"}
     for r in rows:
@@ -161,10 +225,12 @@ def table(rows: list[dict]) -> str:
         ratio = p["tok_s"] / resident[r["store"]] if r["store"] in resident else float("nan")
         read = p["bytes_read_per_token"] * p["tokens"]
         amortized = read / (r["expert_bytes_total"] * max(1, p["stretches"]))
-        lines.append(f"{r['mode']:<9}{r['store']:<6}{cap:>6}{r['capacity']:>7}  {p['tok_s']:>11.1f}{ratio:>7.2f}"
+        pf = "on" if r.get("prefetch") else "-"
+        stall = d.get("stall_seconds", 0.0) / max(1, d["tokens"]) * 1e3
+        lines.append(f"{r['mode']:<9}{r['store']:<6}{cap:>6}{r['capacity']:>7}{pf:>4}  {p['tok_s']:>11.1f}{ratio:>7.2f}"
                      f"{p['bytes_read_per_token'] / 1e6:>10.3f}{amortized:>7.2f}  "
                      f"{d['tok_s']:>10.2f}{d['hit_rate']:>9.3f}{d['copied_bytes_per_token'] / 1e6:>9.2f}"
-                     f"{d['copy_gb_s']:>10.2f}{r['peak_rss_bytes'] / 2**20:>12.0f}")
+                     f"{d['copy_gb_s']:>10.2f}{stall:>11.2f}{r['peak_rss_bytes'] / 2**20:>12.0f}")
     first = rows[0] if rows else None
     if first is not None:
         lines.append(f"prefill: stretches of {first['prefill_stretch']} tokens, "
@@ -186,7 +252,8 @@ def cmd_bench_cache(args) -> int:
         p = subprocess.run([sys.executable, "-m", "expertcache.bench.cache_bench", json.dumps(spec)],
                            capture_output=True, text=True)
         if p.returncode != 0:
-            raise ExpertCacheError(f"configuration {spec['mode']}/{spec['store']}/{spec.get('fraction')} failed: "
+            raise ExpertCacheError(f"configuration {spec['mode']}/{spec['store']}/{spec.get('fraction')}"
+                               f"/prefetch {spec.get('prefetch', 'auto')} failed: "
                                    f"{p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
         rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
     print(table(rows))
@@ -208,7 +275,7 @@ def _fractions(text: str) -> list[float]:
 
 
 def add_parser(suites) -> None:
-    from ..flags import add_kernels_flag, add_prefill_flags, positive_int
+    from ..flags import add_kernels_flag, add_prefetch_width_flag, add_prefill_flags, positive_int
 
     p = suites.add_parser("cache", help="resident vs staging vs cache at several capacities and slow tiers")
     p.add_argument("-m", "--model", required=True, help="checkpoint (use `expertcache synth` for real sizes)")
@@ -223,7 +290,11 @@ def add_parser(suites) -> None:
     p.add_argument("--dtype")
     add_kernels_flag(p)
     p.add_argument("--cache-policy", default=None, help="eviction policy (default: the runtime's)")
-    p.add_argument("--route-trace", help="force routing to follow a recorded trace (expertcache trace record)")
+    p.add_argument("--route-trace", help="force routing to follow a recorded trace (expertcache trace record); "
+                                         "prefetch then plans the trace's recorded predictions")
+    p.add_argument("--prefetch", choices=("auto", "on", "off", "both"), default="auto",
+                   help="prefetch in cache mode: auto (default), on, off, or both (each capacity off, then on)")
+    add_prefetch_width_flag(p)
     p.set_defaults(func=cmd_bench_cache)
 
 

@@ -265,7 +265,10 @@ class ExpertCache:
             return
         self._describe(layer, zip(pf.experts, pf.slots))
         worker = self._start_worker()
-        for e0, s0, n in pf.copy_runs:
+        # The runs are in id order; the worker takes them best-ranked first, so that what the op
+        # most likely needs is there soonest.
+        rank = {e: r for r, e in enumerate(experts)}
+        for e0, s0, n in sorted(pf.copy_runs, key=lambda run: min(rank[e] for e in range(run[0], run[0] + run[2]))):
             job = CopyJob(layer, list(range(e0, e0 + n)), list(range(s0, s0 + n)))
             for i, s in enumerate(job.slots):
                 self._pending[s] = (job, i)
