@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..models.synth import PRESETS, synth
+from ..models.synth import PRESETS, QUANTS, synth
 from ..flags import positive_int
 
 
@@ -27,8 +27,8 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=positive_int, help="experts per token (default: the model's)")
     p.add_argument("--vocab", type=positive_int, default=4096, help="vocabulary size (default: 4096)")
     p.add_argument("--dtype", default="bfloat16", help="weight dtype (default: bfloat16)")
-    p.add_argument("--quant", choices=("q4_k_m",), help="write a GGUF file quantized with llama.cpp's recipe "
-                   "(random valid blocks) instead of a safetensors directory")
+    p.add_argument("--quant", choices=QUANTS, help="write a GGUF file instead of a safetensors directory: "
+                   "q4_k_m (llama.cpp's recipe, random valid blocks) or bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="replace an earlier output of synth or pack")
     p.add_argument("-o", "--output", required=True)

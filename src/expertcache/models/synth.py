@@ -19,6 +19,9 @@ from .loader import expected_shapes
 from .gemma4 import default_layer_types as gemma4_layer_types
 from .qwen3_5_moe import default_layer_types
 
+# What `synth --quant` writes as a GGUF file (`synth_gguf`): llama.cpp's Q4_K_M recipe, or BF16.
+QUANTS = ("q4_k_m", "bf16")
+
 PRESETS = {
     # Qwen3-30B-A3B: 48 layers of 128 experts of 3 x 2048 x 768, top-8.
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,

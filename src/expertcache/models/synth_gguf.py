@@ -20,9 +20,8 @@ from tqdm import tqdm
 
 from ..checkpoint.writer import atomic_gguf, check_output_file
 from ..errors import ExpertCacheError
-from .synth import synth_config
+from .synth import QUANTS, synth_config
 
-QUANTS = ("q4_k_m", "bf16")
 MARKER_KEY = "expertcache.written_by"
 # Byte offsets of the fp16 scale fields in a block (ggml's block structs), and the scale that
 # gives weights of unit spread from random quants and sub-scales.
