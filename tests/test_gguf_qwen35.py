@@ -6,7 +6,6 @@ transformers on the checkpoint the tool rebuilds from its seed."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 import expertcache
-from expertcache import CacheConfig
+from gguf_recordings import check_cache_independence, check_token_ids, llama_logits, record
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "gguf" / "qwen3_5_moe"
@@ -24,11 +23,11 @@ L, F = "linear_attention", "full_attention"
 
 
 def _record(name: str) -> dict:
-    return json.loads((FIXTURES / f"{name}.json").read_text())
+    return record(FIXTURES, name)
 
 
 def _llama_logits(name: str) -> torch.Tensor:
-    return torch.from_numpy(np.load(FIXTURES / f"{name}.npz")["logits"])
+    return llama_logits(FIXTURES, name)
 
 
 def test_config_comes_from_the_metadata():
@@ -107,38 +106,13 @@ def test_perplexity_agrees_with_llama_cpps_recording(name, dtype, bound):
 
 @pytest.mark.parametrize("name", [F32, Q8])
 def test_token_ids_equal_llama_cpps(name):
-    rec = _record(name)
-    model = expertcache.load(FIXTURES / f"{name}.gguf")
-    assert model.tokenizer.encode(rec["prompt"]["text"]) == rec["prompt"]["tokens"]
-    start, end = rec["heldout"]["chars"]
-    text = (ROOT / rec["heldout"]["file"]).read_text(encoding="utf-8")[start:end]
-    assert model.tokenizer.encode(text) == rec["heldout"]["tokens"]
-
-
-CACHES = [CacheConfig(mode="staging"), CacheConfig(mode="cache", experts=1),
-          CacheConfig(mode="cache", experts=3, store="disk", policy="lfu"),
-          CacheConfig(mode="cache", fraction=0.5, store="mmap"), CacheConfig(mode="staging", experts=2, store="disk")]
+    check_token_ids(FIXTURES, name)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_results_never_depend_on_the_cache(dtype):
-    path = FIXTURES / f"{Q8}.gguf"
-    ids = _record(Q8)["heldout"]["tokens"][:90]
-
-    def run(cache):
-        model = expertcache.load(path, dtype=dtype, cache=cache)
-        s = model.new_session()
-        out = [model.prefill(s, ids[:80], ubatch=32, all_logits=True)]
-        out += [model.prefill(s, [t], all_logits=True) for t in ids[80:]]  # the recurrent form
-        gen = model.generate(ids[:20], max_tokens=8, ignore_eos=True).token_ids
-        return torch.cat(out), gen, model.telemetry()
-
-    want, want_gen, _ = run(CacheConfig(mode="resident"))
-    for cache in CACHES:
-        got, gen, tel = run(cache)
-        assert torch.equal(got, want), cache
-        assert gen == want_gen, cache
-        assert tel["total"]["copied_experts"] > 0, cache
+    # the recurrent form after the prefill
+    check_cache_independence(FIXTURES, Q8, dtype, tokens=90, prefill=80, ubatch=32)
 
 
 def _without(monkeypatch, key: str) -> None:
