@@ -321,3 +321,19 @@ def test_verify_mode_checks_prefetched_slots(models, reference):
         cache.pool[cache.residency.slot_of(key), 5] += 1
     with pytest.raises(ExpertCacheError, match="verify: slot .* does not match the checksum"):
         model.logits(IDS)
+
+
+def test_a_failing_predictor_leaves_the_op_unplanned(models, reference):
+    model = _load(models["qwen2"], experts=10, store="ram", prefetch="on")
+    model.logits(IDS[:2])
+    predict = model.experts.predict
+
+    def broken(layer):
+        raise RuntimeError("predictor failed")
+
+    model.experts.predict = broken
+    with pytest.raises(RuntimeError, match="predictor failed"):
+        model.logits(IDS)
+    model.experts.predict = predict
+    _slots_hold_what_they_claim(model.experts)
+    _check(model, reference["qwen2"])

@@ -144,18 +144,20 @@ class ExpertCache:
         plan = self.residency.plan(layer, experts)
         if self._pending:
             self._sync_pending()
-        if self.predict is not None and self.prefetching:
-            nxt = self.predict(layer)
-            if nxt is not None:
-                self.prefetch(*nxt)
         pending = self._pending_invalid.pop(layer, None)
         if pending:
             self.telemetry_.pre_invalid_hit += len(pending.intersection(experts))
         views = self.views[layer]
         copied = ranges = 0
         done = 0  # waves whose copies completed; the residency of later waves' fills is only a plan
-        demand = self._worker.demand if self._worker is not None else nullcontext
         try:
+            # The next op's prediction is planned here, right after this op's plan (as the trace
+            # simulator does); its copies start in the background.
+            if self.predict is not None and self.prefetching:
+                nxt = self.predict(layer)
+                if nxt is not None:
+                    self.prefetch(*nxt)
+            demand = self._worker.demand if self._worker is not None else nullcontext
             for wave in plan.waves:
                 t0 = time.perf_counter()
                 with demand():
