@@ -174,3 +174,24 @@ def test_bad_stretch_arguments_are_errors():
             expertcache.load(prefill_stretch=bad)
     with pytest.raises(ExpertCacheError, match="prefill-mem"):
         expertcache.load(prefill_mem=0)
+
+
+def test_bench_serve_starts_our_server_with_the_prefill_and_prefetch_flags():
+    from expertcache.bench import serve
+    from expertcache.commands.serve import register
+    from expertcache.flags import Parser
+
+    p = Parser(prog="bench")
+    serve.add_parser(p.add_subparsers())
+    args = p.parse_args(["serve", "--suite", "prefill", "-m", "M", "--compare", "resident,cache",
+                         "--prefill-stretch", "1024", "--prefill-mem", "1GiB", "--prefetch", "on",
+                         "--prefetch-width", "1.5", "--cache-fraction", "0.25"])
+    argv = serve.serve_argv(args, "cache", 8080)
+    # what the server parses from that command line
+    server = Parser(prog="expertcache")
+    register(server.add_subparsers())
+    got = server.parse_args(argv[argv.index("serve"):])
+    assert (got.prefill_stretch, got.prefill_mem, got.prefetch, got.prefetch_width, got.cache_fraction) == (
+        1024, 2**30, "on", 1.5, 0.25)
+    resident = server.parse_args(serve.serve_argv(args, "resident", 8080)[3:])
+    assert resident.prefill_stretch == 1024 and resident.cache_fraction is None
