@@ -215,6 +215,14 @@ class Architecture:
         )
 
 
+def gguf_required(metadata: dict, key: str):
+    """A GGUF metadata value that must be there; KeyError naming the key (the loader turns it
+    into one line) where it is absent."""
+    if metadata.get(key) is None:
+        raise KeyError(key)
+    return metadata[key]
+
+
 def _as_float(v) -> float:
     # Integers are fine where a float is expected (rms_norm_eps: 1 would still be caught by its range).
     if isinstance(v, bool) or not isinstance(v, (int, float)):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from ..config import HIDDEN_ACTS, ModelConfig
 from ..errors import ExpertCacheError
-from .arch import HF_TENSOR_NAMES, Architecture, ExpertLayout
+from .arch import HF_TENSOR_NAMES, Architecture, ExpertLayout, gguf_required
 from .mixers import Mixer
 from .parallel_ffn import ParallelFFN
 from .sliding_attention import SlidingAttention, SlidingAttentionConfig, gemma_rms_norm
@@ -150,9 +150,7 @@ class Gemma4(Architecture):
         a = metadata["general.architecture"]
 
         def need(key: str):
-            if metadata.get(f"{a}.{key}") is None:
-                raise KeyError(f"{a}.{key}")
-            return metadata[f"{a}.{key}"]
+            return gguf_required(metadata, f"{a}.{key}")
 
         layers = base.num_layers
         for key, off in (("embedding_length_per_layer_input", 0), ("attention.shared_kv_layers", 0)):

@@ -22,7 +22,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ExpertCacheError
-from .arch import HF_TENSOR_NAMES, Architecture, Key
+from .arch import HF_TENSOR_NAMES, Architecture, Key, gguf_required
 from .deltanet import DeltaNetConfig, DeltaNetWeights
 from .gated_attention import GatedAttentionConfig
 from .mixers import DELTANET_TENSORS, DeltaNet, GatedAttention, Mixer, Reader
@@ -110,9 +110,7 @@ class Qwen35Moe(Architecture):
         a = metadata["general.architecture"]
 
         def need(key: str):
-            if metadata.get(f"{a}.{key}") is None:
-                raise KeyError(f"{a}.{key}")
-            return metadata[f"{a}.{key}"]
+            return gguf_required(metadata, f"{a}.{key}")
 
         layers = base.num_layers
         recurrent = metadata.get(f"{a}.attention.recurrent_layers")
