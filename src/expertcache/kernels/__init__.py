@@ -132,11 +132,13 @@ def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bo
 _REDUCED = (torch.bfloat16, torch.float16)
 
 # The gated MLP's activation by `hidden_act`: SwiGLU (silu) or GeGLU (Gemma's tanh-approximated
-# gelu). Only the torch path knows the second; the native calls decline it.
+# gelu). The native expert calls take the same names and compute either in fp32 as torch does.
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
+# The activations the native expert calls (`native/decode.cpp`, `native/quant.cpp`) compute.
+NATIVE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 # Many rows in bf16/fp16 on a CPU without instructions for them (AVX2, most laptops): oneDNN's
@@ -289,19 +291,19 @@ class NativeKernels(Kernels):
         return out
 
     def experts_one_row(self, x: torch.Tensor, wave: list, act: str = "silu") -> torch.Tensor | None:
-        if act != "silu":
-            return None  # the native expert calls are SwiGLU only
+        if act not in NATIVE_ACTIVATIONS:
+            return None
         first = wave[0][1] if wave else None
         if first is not None and not isinstance(first.down, torch.Tensor):
             # Quantized experts: products straight from the blocks, the wave in one call. All
             # experts of a layer share one format, so the wave's types are the first's.
             y = self.quant.experts(x[0].contiguous(), [w.gate.raw for _, w in wave], [w.up.raw for _, w in wave],
                                    [w.down.raw for _, w in wave], int(first.gate.qtype), int(first.up.qtype),
-                                   int(first.down.qtype))  # [n, D] float32
+                                   int(first.down.qtype), act)  # [n, D] float32
             return y.to(x.dtype)
         if not all(isinstance(w.gate_up, torch.Tensor) for _, w in wave):
             return None
         # Each expert's row is what it would be alone. Slot views are contiguous [2I, D] and
         # [D, I] in the model's dtype (bf16), which the native call requires.
-        return self.native.experts(x[0].contiguous(), [w.gate_up for _, w in wave], [w.down for _, w in wave])
+        return self.native.experts(x[0].contiguous(), [w.gate_up for _, w in wave], [w.down for _, w in wave], act)
 

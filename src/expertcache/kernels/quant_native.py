@@ -5,10 +5,12 @@
 `uint8 [N, row_bytes]` of one of `NATIVE_TYPES` (ggml type ids; GGMLQuantizationType members work):
 
 - `gemv(w, qtype, x) -> float32 [N]`: y = W x, x float32 or bfloat16 [K];
-- `experts(x, gates, ups, downs, gate_type, up_type, down_type) -> float32 [n, D]`: a wave of n
-  SwiGLU experts on one token, y[e] = down[e] (silu(gate[e] x) * (up[e] x)), with gate[e] and
-  up[e] raw rows [I, row_bytes(type, D)] and down[e] raw rows [D, row_bytes(type, I)], each matrix
-  kind of one type for the whole wave, the intermediate in float32;
+- `experts(x, gates, ups, downs, gate_type, up_type, down_type, act="silu") -> float32 [n, D]`: a
+  wave of n gated experts on one token, y[e] = down[e] (act(gate[e] x) * (up[e] x)), act "silu"
+  (SwiGLU) or "gelu_pytorch_tanh" (GeGLU: torch's tanh-approximated gelu, in fp32 with its
+  formula), with gate[e] and up[e] raw rows [I, row_bytes(type, D)] and down[e] raw rows
+  [D, row_bytes(type, I)], each matrix kind of one type for the whole wave, the intermediate in
+  float32;
 - `dequantize(w, qtype, K) -> float32 [N, K]`: the weights as the products see them, and
   `dequantize_into(w, qtype, out)` into out [N, K] float32 or bfloat16 (rounded once), rows split
   across threads: the CPU path for prefill (decode a wave into one reused buffer, then a GEMM);

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 // EXPERTCACHE_PORTABLE builds the portable loop on any CPU (the tests check both builds).
@@ -92,12 +93,23 @@ torch::Tensor gemv(const torch::Tensor& w, const torch::Tensor& x) {
   return y;
 }
 
-// The SwiGLU experts of one decode step, n at a time: for each expert e,
-//   gu = gate_up[e] x (rounded to bf16), h = silu(gu[:I]) * gu[I:] (each op rounded to bf16,
-//   as torch does it on bf16 tensors), y[e] = down[e] h (rounded to bf16).
+// Gemma's GeGLU gate: gelu with the tanh approximation, in fp32 with torch's formula and order
+// of operations (ATen's Gelu.h): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+inline float gelu_tanh(float x) {
+  const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = static_cast<float>(0.044715);
+  const float cube = x * x * x;
+  return 0.5f * x * (1.f + std::tanh(beta * (x + kappa * cube)));
+}
+
+// The gated experts of one decode step, n at a time: for each expert e,
+//   gu = gate_up[e] x (rounded to bf16), h = act(gu[:I]) * gu[I:] (each op rounded to bf16,
+//   as torch does it on bf16 tensors), y[e] = down[e] h (rounded to bf16);
+// act silu (SwiGLU) or gelu_pytorch_tanh (GeGLU), each computed in fp32 as torch computes it.
 // Returns [n, D]. Three parallel passes for the whole wave instead of five ops per expert.
 torch::Tensor experts(const torch::Tensor& x, const std::vector<torch::Tensor>& gate_ups,
-                      const std::vector<torch::Tensor>& downs) {
+                      const std::vector<torch::Tensor>& downs, const std::string& act) {
+  TORCH_CHECK(act == "silu" || act == "gelu_pytorch_tanh", "act: expected silu or gelu_pytorch_tanh, got ", act);
+  const bool gelu = act == "gelu_pytorch_tanh";
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 1 && x.is_contiguous(),
               "x: expected a contiguous 1-D bf16 CPU tensor");
   TORCH_CHECK(gate_ups.size() == downs.size(), "expected as many down matrices as gate/up ones");
@@ -126,8 +138,8 @@ torch::Tensor experts(const torch::Tensor& x, const std::vector<torch::Tensor>& 
     for (int64_t r = begin; r < end; ++r) {
       const int64_t e = r / I, i = r % I;
       const float g = widen(gu[e * 2 * I + i]), u = widen(gu[e * 2 * I + I + i]);
-      const float act = widen(bf16(g / (1.f + std::exp(-g))).x);
-      h[r] = bf16(act * u).x;
+      const float a = widen(bf16(gelu ? gelu_tanh(g) : g / (1.f + std::exp(-g))).x);
+      h[r] = bf16(a * u).x;
     }
   });
   bf16* Y = y.data_ptr<bf16>();
@@ -245,7 +257,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = "portable";
 #endif
   m.def("gemv", &gemv, "y [N] = w [N, K] x [K], bf16, one-row decode product");
-  m.def("experts", &experts, "a wave of SwiGLU experts on one token: [n, D]");
+  m.def("experts", &experts, "a wave of gated experts (silu or gelu_pytorch_tanh) on one token: [n, D]",
+        py::arg("x"), py::arg("gate_ups"), py::arg("downs"), py::arg("act") = "silu");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row of x [R, C], weight [C] or [R, C]");
   m.def("attend", &attend, "decode attention for one token: q/k norm, rotary, kv append, softmax(qk)v");
 }

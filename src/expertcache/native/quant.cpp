@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(EXPERTCACHE_PORTABLE)
@@ -552,8 +553,24 @@ torch::Tensor dequantize(const torch::Tensor& w, int64_t type, int64_t K) {
   return y;
 }
 
-// A wave of SwiGLU experts on one token: for each expert e,
-//   g = gate[e] x, u = up[e] x (fp32), h = silu(g) * u (fp32), y[e] = down[e] h (fp32).
+// Gemma's GeGLU gate: gelu with the tanh approximation, in fp32 with torch's formula and order
+// of operations (ATen's Gelu.h): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+inline float gelu_tanh(float x) {
+  const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = static_cast<float>(0.044715);
+  const float cube = x * x * x;
+  return 0.5f * x * (1.f + std::tanh(beta * (x + kappa * cube)));
+}
+
+// The activation names of `hidden_act` that the expert calls take: silu (SwiGLU) or
+// gelu_pytorch_tanh (GeGLU); true for the second.
+bool is_gelu(const std::string& act) {
+  TORCH_CHECK(act == "silu" || act == "gelu_pytorch_tanh", "act: expected silu or gelu_pytorch_tanh, got ", act);
+  return act == "gelu_pytorch_tanh";
+}
+
+// A wave of gated experts on one token: for each expert e,
+//   g = gate[e] x, u = up[e] x (fp32), h = act(g) * u (fp32), y[e] = down[e] h (fp32),
+// act silu (SwiGLU) or gelu_pytorch_tanh (GeGLU).
 // gate[e], up[e]: raw rows [I, row bytes of D weights]; down[e]: raw rows [D, row bytes of I];
 // each matrix kind has one ggml type for the whole wave (all experts of a layer share a layout).
 // Returns [n, D] float32. Two parallel passes over every row of the wave, one for gate and up,
@@ -561,7 +578,8 @@ torch::Tensor dequantize(const torch::Tensor& w, int64_t type, int64_t K) {
 // on the wave it runs in or on the thread count.
 torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor>& gates,
                       const std::vector<torch::Tensor>& ups, const std::vector<torch::Tensor>& downs,
-                      int64_t gate_type, int64_t up_type, int64_t down_type) {
+                      int64_t gate_type, int64_t up_type, int64_t down_type, const std::string& act) {
+  const bool gelu = is_gelu(act);
   const torch::Tensor x = as_f32(x_in);
   TORCH_CHECK(gates.size() == ups.size() && ups.size() == downs.size(),
               "experts: expected as many gate, up and down matrices, got ", gates.size(), ", ", ups.size(), ", ",
@@ -595,7 +613,7 @@ torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor
     for (int64_t r = begin; r < end; ++r) {
       const int64_t e = r / I, i = r % I;
       const float g = gu[e * 2 * I + i], u = gu[e * 2 * I + I + i];
-      h[r] = g / (1.f + std::exp(-g)) * u;
+      h[r] = gelu ? gelu_tanh(g) * u : g / (1.f + std::exp(-g)) * u;
     }
   });
   float* Y = y.data_ptr<float>();
@@ -620,5 +638,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_decoded", &gemv_decoded, "gemv through the plain block decoders: equal to gemv bit for bit");
   m.def("dequantize_into", &dequantize_into, "raw ggml rows [N, row bytes] of a type -> out [N, K], fp32 or bf16");
   m.def("dequantize", &dequantize, "raw ggml rows [N, row bytes] of a type -> fp32 [N, K]");
-  m.def("experts", &experts, "a wave of SwiGLU experts on one token from raw ggml rows: fp32 [n, D]");
+  m.def("experts", &experts, "a wave of gated experts (silu or gelu_pytorch_tanh) on one token from raw ggml rows: "
+        "fp32 [n, D]", py::arg("x"), py::arg("gates"), py::arg("ups"), py::arg("downs"), py::arg("gate_type"),
+        py::arg("up_type"), py::arg("down_type"), py::arg("act") = "silu");
 }
