@@ -162,6 +162,28 @@ def test_a_failed_read_mid_stretch_leaves_the_session_where_it_was():
     assert torch.equal(got, fresh.prefill(f, ids[100:], ubatch=32, all_logits=True))
 
 
+@pytest.mark.parametrize("path", [None, HYBRID], ids=["kv", "recurrent"])
+def test_a_prefill_stopped_inside_a_stretch_leaves_a_session_that_continues_exactly(path):
+    model = expertcache.load(path, prefill_stretch=128)
+    ids = ids_of(200, seed=9, vocab=model.cfg.vocab_size).tolist()
+    s = model.new_session()
+    model.prefill(s, ids[:90], ubatch=30)
+    asked = []
+
+    def stop():
+        asked.append(1)
+        return len(asked) == 5  # inside the next stretch, in its second layer
+
+    assert model.prefill(s, ids[90:], ubatch=30, should_stop=stop) is None
+    assert len(s.tokens) == s.kv.length == 90
+    # As after a failed forward: the state is cut back to what the session holds, then runs on.
+    kept = s.truncate(90)
+    got = model.prefill(s, ids[kept:], ubatch=30, all_logits=True)[90 - kept:]
+    fresh = model.new_session()
+    model.prefill(fresh, ids[:90], ubatch=30)
+    assert torch.equal(got, model.prefill(fresh, ids[90:], ubatch=30, all_logits=True))
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "x"])
 def test_bad_stretch_flags_are_one_line_errors(capsys, value):
     code, err = run_cli(capsys, "run", "-p", "hello", "-n", "1", "--prefill-stretch", value)

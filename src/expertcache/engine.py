@@ -19,7 +19,7 @@ from .config import CacheConfig, ModelConfig, parse_dtype
 from .errors import ExpertCacheError
 from .kernels import Kernels
 from .kernels import select as select_kernels
-from .models.decoder import Decoder
+from .models.decoder import Decoder, PrefillStopped
 from .models.layers import KVCache
 from .models.loader import load_dense, open_model
 from .models.predict import NextOpPredictions
@@ -205,8 +205,10 @@ class Model:
         attention in micro-batches of `ubatch` tokens, the MoE ops over the whole stretch, so each
         expert is loaded once per stretch rather than once per micro-batch. The schedule depends
         only on the token counts, never on the cache, so results do not either. `should_stop`
-        is asked before each stretch after the first: when it says yes, prefill stops there
-        (the session holds what was processed) and returns None."""
+        is asked before each micro-batch after the first: when it says yes, prefill stops and
+        returns None; the session holds the stretches that were completed (a stretch left
+        half-way leaves recurrent state and rings to be restored by `Session.truncate`, as after
+        a failed forward)."""
         if ubatch < 1:
             raise ExpertCacheError(f"ubatch {ubatch} must be at least 1")
         if not token_ids:
@@ -225,7 +227,11 @@ class Model:
                 if s and should_stop is not None and should_stop():
                     return None
                 part = token_ids[s: s + step]
-                out = self.net.forward(self._as_tensor(part), session.kv, all_logits=all_logits, chunk=ubatch)
+                try:
+                    out = self.net.forward(self._as_tensor(part), session.kv, all_logits=all_logits, chunk=ubatch,
+                                           should_stop=should_stop)
+                except PrefillStopped:
+                    return None
                 if all_logits or s + step >= len(token_ids):
                     outs.append(out)
                 session.tokens.extend(part)

@@ -64,6 +64,11 @@ def _no_lap(name: str) -> None:
     pass
 
 
+class PrefillStopped(Exception):
+    """A forward left between micro-batches because its caller's `should_stop` said so; the
+    sequence state's length is unchanged, recurrent state and rings marked incomplete."""
+
+
 # A hook that sees each MoE op's routing: (layer, routing). Used to record routing traces.
 RoutingHook = Callable[[int, Routing], None]
 
@@ -119,13 +124,14 @@ class Decoder:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, kv: KVCache, all_logits: bool = True,
-                chunk: int | None = None) -> torch.Tensor:
+                chunk: int | None = None, should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run tokens [T] after what `kv` holds; return logits [T, V] (or [1, V] for the last).
 
         With `chunk` < T the forward runs layer by layer over the whole stretch of T tokens: each
         layer's mixer runs over micro-batches of `chunk` tokens (attention's memory grows with
         the tokens of a call), and its feed-forward block over all T at once, so that each MoE
-        layer is one op and each expert it uses is loaded once for the stretch.
+        layer is one op and each expert it uses is loaded once for the stretch. `should_stop` is
+        asked before each micro-batch after the first: a yes raises `PrefillStopped`.
         """
         cfg, k, w, norm = self.cfg, self.kernels, self.weights, self.norm
         eps = cfg.rms_norm_eps
@@ -150,7 +156,7 @@ class Decoder:
                 if chunk == T:
                     h = h + lw.mixer(k, lw.attn, norm(h, lw.input_norm, eps), i, kv, cos, sin)
                 else:
-                    h = h + self._mixer_chunks(lw, h, i, kv, cos, sin, base, chunk)
+                    h = h + self._mixer_chunks(lw, h, i, kv, cos, sin, base, chunk, should_stop)
                 if self.residual_hook is not None:
                     self.residual_hook(i, h)
                 x = norm(h, lw.post_norm, eps)
@@ -184,12 +190,15 @@ class Decoder:
         return logits
 
     def _mixer_chunks(self, lw: LayerWeights, h: torch.Tensor, layer: int, kv: KVCache, cos: torch.Tensor,
-                      sin: torch.Tensor, base: int, chunk: int) -> torch.Tensor:
+                      sin: torch.Tensor, base: int, chunk: int, should_stop: Callable[[], bool] | None
+                      ) -> torch.Tensor:
         """One layer's mixer over h [T, D] in micro-batches of `chunk` tokens, each after the
         ones before it: [T, D]."""
         norm, eps, T = self.norm, self.cfg.rms_norm_eps, h.shape[0]
         out = torch.empty_like(h)
         for s in range(0, T, chunk):
+            if should_stop is not None and (s or layer) and should_stop():
+                raise PrefillStopped()
             e = min(s + chunk, T)
             kv.seek(base + s)
             out[s:e] = lw.mixer(self.kernels, lw.attn, norm(h[s:e], lw.input_norm, eps), layer, kv,
