@@ -60,12 +60,15 @@ def build_native(stem: str, source: Path, what: str, extra_flags: tuple[str, ...
     package; one line of error naming `what` if that cannot be done.
 
     -fopenmp: at::parallel_for is inline and splits work across threads only when compiled with
-    OpenMP. -march=native compiles for this CPU, so the build is named after the CPU's features:
-    a cache directory shared with another machine never hands it a build for a different CPU.
+    OpenMP. -march=native compiles for this CPU, so the build is named after the CPU's features
+    and the source: a cache directory shared with another machine or checkout never hands it a
+    build for a different CPU or source.
     `portable=True` builds the loop that CPUs without the wide instructions get, on any CPU."""
     from torch.utils import cpp_extension
 
-    tag = hashlib.sha1(_cpu_flags().encode()).hexdigest()[:10]
+    # The source is in the name too: two checkouts with different sources (a worktree beside
+    # the main one) then never build over, or load, each other's module.
+    tag = hashlib.sha1(_cpu_flags().encode() + source.read_bytes()).hexdigest()[:10]
     name = f"expertcache_{stem}_{tag}" + ("_portable" if portable else "")
     flags = ["-O3", "-march=native", "-fopenmp", *extra_flags] + (["-DEXPERTCACHE_PORTABLE"] if portable else [])
     try:
