@@ -10,8 +10,6 @@ from __future__ import annotations
 import copy
 import math
 
-import gguf
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,8 +19,8 @@ import expertcache
 from expertcache import CacheConfig, kernels
 from expertcache.kernels.quant_native import load_quant_native
 from conftest import CountingModule, save_checkpoint
-from gguf_blocks import random_rows
 from test_kernels import assert_close_to_exact, bf16
+from test_quant_kernels import vector, wave
 
 GELU = "gelu_pytorch_tanh"
 
@@ -95,16 +93,6 @@ D, I = 512, 256
 WAVE_TYPES = [("Q4_K", "Q4_K", "Q5_0"), ("Q4_K", "Q4_K", "Q8_0"), ("Q8_0", "Q5_0", "Q6_K"), ("Q6_K", "Q8_0", "Q4_K")]
 
 
-def weights(qtype: Q, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(raw rows uint8 [rows, row_bytes], gguf-py's decoding of them float32 [rows, cols])."""
-    raw = random_rows(qtype, rows, cols, seed, lo=-14, hi=-4)
-    return torch.from_numpy(raw), torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qtype)))
-
-
-def vector(n: int, seed: int) -> torch.Tensor:
-    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
-
-
 def with_threads(count: int, fn):
     was = torch.get_num_threads()
     try:
@@ -112,14 +100,6 @@ def with_threads(count: int, fn):
         return fn()
     finally:
         torch.set_num_threads(was)
-
-
-def wave(n: int, types: tuple[str, str, str], seed: int = 0):
-    gate, up, down = (Q[t] for t in types)
-    g = [weights(gate, I, D, seed=seed + 10 + e) for e in range(n)]
-    u = [weights(up, I, D, seed=seed + 40 + e) for e in range(n)]
-    d = [weights(down, D, I, seed=seed + 70 + e) for e in range(n)]
-    return g, u, d
 
 
 @pytest.mark.parametrize("types", WAVE_TYPES, ids=["-".join(t) for t in WAVE_TYPES])
