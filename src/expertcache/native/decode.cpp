@@ -250,15 +250,21 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& qk_norm, dou
 
 }  // namespace
 
+// Each call releases Python's lock while it runs: it touches tensors only, and other threads
+// (the prefetch worker's reads, the server's requests) can run meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(EXPERTCACHE_BF16_DOT)
   m.attr("isa") = "avx512-bf16";
 #else
   m.attr("isa") = "portable";
 #endif
-  m.def("gemv", &gemv, "y [N] = w [N, K] x [K], bf16, one-row decode product");
+  m.def("gemv", &gemv, "y [N] = w [N, K] x [K], bf16, one-row decode product",
+        py::call_guard<py::gil_scoped_release>());
   m.def("experts", &experts, "a wave of gated experts (silu or gelu_pytorch_tanh) on one token: [n, D]",
-        py::arg("x"), py::arg("gate_ups"), py::arg("downs"), py::arg("act") = "silu");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row of x [R, C], weight [C] or [R, C]");
-  m.def("attend", &attend, "decode attention for one token: q/k norm, rotary, kv append, softmax(qk)v");
+        py::arg("x"), py::arg("gate_ups"), py::arg("downs"), py::arg("act") = "silu",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row of x [R, C], weight [C] or [R, C]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("attend", &attend, "decode attention for one token: q/k norm, rotary, kv append, softmax(qk)v",
+        py::call_guard<py::gil_scoped_release>());
 }

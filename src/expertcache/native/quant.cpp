@@ -628,17 +628,24 @@ torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor
 
 }  // namespace
 
+// Each call releases Python's lock while it runs: it touches tensors only, and other threads
+// (the prefetch worker's reads, the server's requests) can run meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(EXPERTCACHE_AVX2)
   m.attr("isa") = "avx2";
 #else
   m.attr("isa") = "portable";
 #endif
-  m.def("gemv", &gemv, "y [N] = W x, W raw ggml rows [N, row bytes] of a type, x [K] fp32/bf16; fp32");
-  m.def("gemv_decoded", &gemv_decoded, "gemv through the plain block decoders: equal to gemv bit for bit");
-  m.def("dequantize_into", &dequantize_into, "raw ggml rows [N, row bytes] of a type -> out [N, K], fp32 or bf16");
-  m.def("dequantize", &dequantize, "raw ggml rows [N, row bytes] of a type -> fp32 [N, K]");
+  m.def("gemv", &gemv, "y [N] = W x, W raw ggml rows [N, row bytes] of a type, x [K] fp32/bf16; fp32",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemv_decoded", &gemv_decoded, "gemv through the plain block decoders: equal to gemv bit for bit",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_into", &dequantize_into, "raw ggml rows [N, row bytes] of a type -> out [N, K], fp32 or bf16",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize", &dequantize, "raw ggml rows [N, row bytes] of a type -> fp32 [N, K]",
+        py::call_guard<py::gil_scoped_release>());
   m.def("experts", &experts, "a wave of gated experts (silu or gelu_pytorch_tanh) on one token from raw ggml rows: "
         "fp32 [n, D]", py::arg("x"), py::arg("gates"), py::arg("ups"), py::arg("downs"), py::arg("gate_type"),
-        py::arg("up_type"), py::arg("down_type"), py::arg("act") = "silu");
+        py::arg("up_type"), py::arg("down_type"), py::arg("act") = "silu",
+        py::call_guard<py::gil_scoped_release>());
 }
