@@ -69,37 +69,33 @@ class PartialSnapshots:
         return out
 
 
-def keep_snapshot(snapshots: list, snap, max_snapshots: int) -> None:
-    """Append `snap` (positions ascending) and drop the earliest beyond `max_snapshots`."""
-    if snapshots and snapshots[-1].position == snap.position:
-        return
-    snapshots.append(snap)
-    if len(snapshots) > max_snapshots:
-        del snapshots[0]
+class SnapshotSchedule:
+    """When the caches whose state cannot be cut back (recurrent state here, sliding-window rings
+    in `window_cache.py`) take snapshots, as the module docstring says. A subclass names the
+    per-layer states (`_held`), how a snapshot is made of copies of them (`_snapshot`) and
+    whether a failed forward left them incomplete (`_incomplete`)."""
 
+    length: int
 
-class SequenceState(KVCache):
-    """`KVCache` for the attention layers plus a `DeltaNetState` per recurrent layer (`recurrent`,
-    created by the model's mixers), truncatable through snapshots (module docstring)."""
-
-    def __init__(self, cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype,
-                 attention_layers: Sequence[int], recurrent: dict[int, DeltaNetState],
-                 snapshot_every: int = SNAPSHOT_EVERY, max_snapshots: int = MAX_SNAPSHOTS):
-        super().__init__(cfg, max_len, device, dtype, attention_layers)
+    def _init_snapshots(self, snapshot_every: int, max_snapshots: int) -> None:
         if snapshot_every < 1 or max_snapshots < 1:
             raise ExpertCacheError(f"snapshot_every {snapshot_every} and max_snapshots {max_snapshots} "
                                    "must be at least 1")
-        self.recurrent = recurrent
         self.snapshot_every, self.max_snapshots = snapshot_every, max_snapshots
-        self.snapshots: list[Snapshot] = []  # by position, ascending
+        self.snapshots: list = []  # by position, ascending
         self._partial = PartialSnapshots()
 
-    def _consistent(self) -> bool:
-        # A forward that failed half-way left some layers ahead of `length`.
-        return all(s.tokens == self.length for s in self.recurrent.values())
+    def _held(self) -> dict:
+        raise NotImplementedError
+
+    def _snapshot(self, position: int, states: dict):
+        raise NotImplementedError
+
+    def _incomplete(self) -> bool:
+        raise NotImplementedError
 
     def begin(self, n: int) -> None:
-        if not self._consistent():
+        if self._incomplete():
             raise ExpertCacheError("the sequence state is incomplete after a failed forward; "
                                    "truncate it before running more tokens")
         self._partial.clear()
@@ -107,19 +103,52 @@ class SequenceState(KVCache):
             self._take()
 
     def layer_done(self, layer: int, position: int) -> None:
-        if layer in self.recurrent:
-            self._partial.add(position, layer, self.recurrent[layer].copy())
+        held = self._held()
+        if layer in held:
+            self._partial.add(position, layer, held[layer].copy())
 
     def advance(self, n: int) -> None:
-        for position, layers in self._partial.whole(len(self.recurrent)):
-            keep_snapshot(self.snapshots, Snapshot(position, layers), self.max_snapshots)
+        for position, states in self._partial.whole(len(self._held())):
+            self._keep(self._snapshot(position, states))
         super().advance(n)
         if n > 1 or self.length % self.snapshot_every == 0:
             self._take()
 
     def _take(self) -> None:
-        keep_snapshot(self.snapshots, Snapshot(self.length, {i: s.copy() for i, s in self.recurrent.items()}),
-                      self.max_snapshots)
+        self._keep(self._snapshot(self.length, {i: s.copy() for i, s in self._held().items()}))
+
+    def _keep(self, snap) -> None:
+        """Append `snap` (positions ascending) and drop the earliest beyond `max_snapshots`."""
+        if self.snapshots and self.snapshots[-1].position == snap.position:
+            return
+        self.snapshots.append(snap)
+        if len(self.snapshots) > self.max_snapshots:
+            del self.snapshots[0]
+
+
+class SequenceState(SnapshotSchedule, KVCache):
+    """`KVCache` for the attention layers plus a `DeltaNetState` per recurrent layer (`recurrent`,
+    created by the model's mixers), truncatable through snapshots (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype,
+                 attention_layers: Sequence[int], recurrent: dict[int, DeltaNetState],
+                 snapshot_every: int = SNAPSHOT_EVERY, max_snapshots: int = MAX_SNAPSHOTS):
+        super().__init__(cfg, max_len, device, dtype, attention_layers)
+        self._init_snapshots(snapshot_every, max_snapshots)
+        self.recurrent = recurrent
+
+    def _consistent(self) -> bool:
+        # A forward that failed half-way left some layers ahead of `length`.
+        return all(s.tokens == self.length for s in self.recurrent.values())
+
+    def _held(self) -> dict[int, DeltaNetState]:
+        return self.recurrent
+
+    def _snapshot(self, position: int, states: dict) -> Snapshot:
+        return Snapshot(position, states)
+
+    def _incomplete(self) -> bool:
+        return not self._consistent()
 
     def truncate(self, n: int) -> int:
         """Keep at most the first n tokens; returns how many were kept: n itself when nothing

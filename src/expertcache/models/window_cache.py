@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from ..errors import ExpertCacheError
 from .layers import KVCache
-from .state import MAX_SNAPSHOTS, SNAPSHOT_EVERY, PartialSnapshots, keep_snapshot
+from .state import MAX_SNAPSHOTS, SNAPSHOT_EVERY, SnapshotSchedule
 
 
 @dataclass(slots=True)
@@ -55,17 +54,15 @@ class RingSnapshot:
         return sum(r.nbytes for r in self.rings.values())
 
 
-class WindowKVCache(KVCache):
+class WindowKVCache(SnapshotSchedule, KVCache):
     """`KVCache` whose layers in `windows` (layer -> W) keep a ring of the last W positions."""
 
     def __init__(self, cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype,
                  layers: Sequence[int], shapes: dict[int, tuple[int, int]], windows: dict[int, int],
                  snapshot_every: int = SNAPSHOT_EVERY, max_snapshots: int = MAX_SNAPSHOTS):
-        if snapshot_every < 1 or max_snapshots < 1:
-            raise ExpertCacheError(f"snapshot_every {snapshot_every} and max_snapshots {max_snapshots} "
-                                   "must be at least 1")
         self.windows = dict(windows)
         super().__init__(cfg, max_len, device, dtype, [i for i in layers if i not in self.windows], shapes)
+        self._init_snapshots(snapshot_every, max_snapshots)
         default = (cfg.num_kv_heads, cfg.head_dim)
         self.rings: dict[int, Ring] = {}
         for i, W in self.windows.items():
@@ -74,12 +71,9 @@ class WindowKVCache(KVCache):
             self.rings[i] = Ring(torch.zeros(G, W, Dh, device=device, dtype=dtype),
                                  torch.zeros(G, W, Dh, device=device, dtype=dtype),
                                  torch.full((W,), -1, dtype=torch.int64, device=device))
-        self.snapshot_every, self.max_snapshots = snapshot_every, max_snapshots
-        self.snapshots: list[RingSnapshot] = []  # by position, ascending
         # A forward wrote into the rings and has not advanced: it failed half-way, and its
         # writes may have replaced positions that the kept ones need.
         self._pending = False
-        self._partial = PartialSnapshots()
 
     def append_window(self, layer: int, k: torch.Tensor, v: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,29 +104,18 @@ class WindowKVCache(KVCache):
         r.pos.index_copy_(0, slots, new_pos[T - m:])
         return keys, values, positions
 
-    def begin(self, n: int) -> None:
-        if self._pending:
-            raise ExpertCacheError("the sequence state is incomplete after a failed forward; "
-                                   "truncate it before running more tokens")
-        self._partial.clear()
-        if n > 1 and self.length:
-            self._take()
+    def _held(self) -> dict[int, Ring]:
+        return self.rings
 
-    def layer_done(self, layer: int, position: int) -> None:
-        if layer in self.rings:
-            self._partial.add(position, layer, self.rings[layer].copy())
+    def _snapshot(self, position: int, rings: dict) -> RingSnapshot:
+        return RingSnapshot(position, rings)
+
+    def _incomplete(self) -> bool:
+        return self._pending
 
     def advance(self, n: int) -> None:
-        for position, rings in self._partial.whole(len(self.rings)):
-            keep_snapshot(self.snapshots, RingSnapshot(position, rings), self.max_snapshots)
         super().advance(n)
         self._pending = False
-        if n > 1 or self.length % self.snapshot_every == 0:
-            self._take()
-
-    def _take(self) -> None:
-        keep_snapshot(self.snapshots, RingSnapshot(self.length, {i: r.copy() for i, r in self.rings.items()}),
-                      self.max_snapshots)
 
     def _rings_hold(self, n: int) -> bool:
         # Position n's queries need positions n-W+1 .. n-1, all of which must still be in the ring.
