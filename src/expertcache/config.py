@@ -8,6 +8,7 @@ completely when built, before any weight is read.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 
@@ -227,7 +228,8 @@ class CacheConfig:
     `prefetch` (`cache` mode only): load the experts predicted for the next MoE op while the
     current one computes; `auto` turns it on where the copies do not compete with compute (a
     GPU's copy engine), see `prefetch_active`. `prefetch_width`: experts predicted per token, as
-    a multiple of top-k (0 predicts nothing).
+    a multiple of top-k (0 predicts nothing). `predictor`: a file of fitted maps for this model
+    (`expertcache trace fit-predictor`) that predicts in place of the next layer's router.
     """
 
     mode: str | None = None
@@ -240,6 +242,7 @@ class CacheConfig:
     trace_every: int = 0
     prefetch: str = "auto"
     prefetch_width: float = 1.0
+    predictor: str | None = None
 
     def __post_init__(self) -> None:
         given = [n for n in ("experts", "mem", "fraction") if getattr(self, n) is not None]
@@ -270,6 +273,8 @@ class CacheConfig:
         w = self.prefetch_width
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 64:
             raise ExpertCacheError(f"prefetch width {w!r} must be a number in [0, 64] (a multiple of top-k)")
+        if self.predictor is not None and not isinstance(self.predictor, (str, os.PathLike)):
+            raise ExpertCacheError(f"predictor {self.predictor!r} must be the path of a fitted predictor file")
 
     def prefetch_active(self, device_type: str) -> bool:
         """Whether an op's copies for the next op's prediction are made early: only in `cache` mode,

@@ -138,6 +138,9 @@ class Model:
         # What the last prefill and all of them so far read from the slow tier (telemetry).
         self.last_prefill = self.prefill_total = PrefillStats()
         self.stretch = plan_stretch(net.activation_bytes(1), options.prefill_stretch, options.prefill_mem)
+        # Fitted maps that predict in place of the routers (`CacheConfig.predictor`), checked
+        # against this model's routers now; None: the routers predict.
+        self.predictor_maps = self._load_maps(options.cache.predictor)
 
     @property
     def kernels(self) -> Kernels:
@@ -152,7 +155,9 @@ class Model:
 
     def resize_cache(self, cache: CacheConfig) -> None:
         """Reallocate the expert cache at another size or mode; its slots are invalidated (reason `pool`)."""
+        maps = self._load_maps(cache.predictor)  # before anything changes: a bad file changes nothing
         self.experts.resize(cache)
+        self.predictor_maps = maps
         self._wire_prefetch()
 
     def _wire_prefetch(self, residual: bool = True) -> None:
@@ -166,9 +171,32 @@ class Model:
                 self.net.forward_hook = None
             self.experts.predict = None
         if self.experts.prefetching:
-            predictions = NextOpPredictions(self.net, self.experts.config.prefetch_width, self.experts.prefetch)
+            predictions = NextOpPredictions(self.net, self.experts.config.prefetch_width, self.experts.prefetch,
+                                            self._maps_for(self.net))
             predictions.attach(residual=residual)
             self.experts.predict = predictions
+
+    def _load_maps(self, path):
+        if path is None:
+            return None
+        from .models.linear_predictor import LinearMaps
+
+        maps = LinearMaps.load(path)
+        maps.check(self.net)
+        return maps
+
+    def _maps_for(self, net: Decoder):
+        """The fitted maps, where they still fit `net`: a reload that changed the routers (the
+        checkpoint was rewritten) falls back to the routers with one notice; predictions only
+        steer prefetch, never the results."""
+        if self.predictor_maps is None:
+            return None
+        try:
+            self.predictor_maps.check(net)
+        except ExpertCacheError as e:
+            print(f"notice: {e}; the routers predict from now on", file=sys.stderr)
+            self.predictor_maps = None
+        return self.predictor_maps
 
     def begin_call(self) -> None:
         """Start a top-level call (a forward, a generation, a perplexity run)."""

@@ -86,6 +86,9 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
                    help="load the experts predicted for the next MoE op while this one computes (cache mode): "
                         "auto (default: on with a GPU only), on, off")
     add_prefetch_width_flag(g)
+    g.add_argument("--predictor", metavar="FILE",
+                   help="predict the next layer's experts with maps fitted for this model "
+                        "(`expertcache trace fit-predictor`) instead of its router")
 
 
 def cache_config(args) -> CacheConfig:
@@ -99,7 +102,8 @@ def cache_config(args) -> CacheConfig:
     return CacheConfig(mode=args.cache_mode, experts=args.cache_experts, mem=args.cache_mem,
                        fraction=args.cache_fraction, policy=args.cache_policy, store=args.store,
                        verify=args.cache_verify, trace_every=trace, prefetch=getattr(args, "prefetch", "auto"),
-                       prefetch_width=getattr(args, "prefetch_width", 1.0))
+                       prefetch_width=getattr(args, "prefetch_width", 1.0),
+                       predictor=getattr(args, "predictor", None))
 
 
 def prefetch_width(text: str) -> float:

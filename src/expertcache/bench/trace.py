@@ -123,8 +123,9 @@ class TraceRecorder:
     engine's own prefill/decode split, known from the tokens it reports as processed).
     """
 
-    def __init__(self, header: TraceHeader):
+    def __init__(self, header: TraceHeader, maps=None):
         self.header = header
+        self.maps = maps  # fitted predictor maps (`models.linear_predictor`); None: the routers predict
         self._layers: list[int] = []
         self._ids: list = []  # torch tensors [T, K], kept on their device until `trace()`
         self._pred: list = []  # torch tensors [T, P] or None
@@ -133,14 +134,17 @@ class TraceRecorder:
 
     @classmethod
     def for_model(cls, model, meta: dict | None = None, predict: bool = False) -> TraceRecorder:
-        """A recorder for `model`; with `predict`, each op's prediction by the default predictor
-        (the next layer's router on the residual; the first MoE layer from the embeddings), ranked
-        2 x top-k wide (so that widths up to 2.0 can be evaluated)."""
+        """A recorder for `model`; with `predict`, each op's prediction by the model's predictor
+        (the next layer's router on the residual, the first MoE layer from the embeddings; or the
+        fitted maps of `model.predictor_maps`), ranked 2 x top-k wide (so that widths up to 2.0
+        can be evaluated)."""
         cfg = model.cfg
         width = min(cfg.num_experts, 2 * cfg.top_k) if predict else 0
+        maps = model.predictor_maps if predict else None
+        name = ("router" if maps is None else f"linear:{maps.name}") if predict else ""
         return cls(TraceHeader(cfg.num_experts, cfg.num_layers, tuple(cfg.moe_layers), cfg.top_k,
                                max(model.experts.expert_bytes.values()), str(model.path), dict(meta or {}),
-                               pred_width=width, predictor="router" if predict else ""))
+                               pred_width=width, predictor=name), maps)
 
     def __call__(self, layer: int, routing) -> None:
         # A copy, so that nothing the forward does later can change what was recorded; no host
@@ -165,9 +169,9 @@ class TraceRecorder:
         previous = net.routing_hook, net.residual_hook
         net.routing_hook = self
         if self.header.pred_width:
-            from ..models.predict import RouterPredictor
+            from ..models.linear_predictor import make_predictor
 
-            self.predictor = predictor = RouterPredictor(net, self.header.pred_width)
+            self.predictor = predictor = make_predictor(net, self.header.pred_width, self.maps)
             forward = net.forward
 
             def predicting_forward(tokens, *args, **kwargs):

@@ -1,6 +1,7 @@
-"""`expertcache trace record | simulate | stats`: record routing traces (and what the predictor
-predicted for each op), replay them through the runtime's policies against Belady's MIN, with or
-without prefetch, and summarise how experts are used and how well they were predicted."""
+"""`expertcache trace record | simulate | stats | fit-predictor`: record routing traces (and what
+the predictor predicted for each op), replay them through the runtime's policies against Belady's
+MIN, with or without prefetch, summarise how experts are used and how well they were predicted,
+and fit a predictor better than the routers."""
 
 from __future__ import annotations
 
@@ -250,6 +251,42 @@ def _print_quality(trace, quality: dict) -> None:
             print(f"{phase:>7} {layer:>5} {q['ops']:>7,} {cells}")
 
 
+# ---- fit-predictor -----------------------------------------------------------------------------
+
+
+def cmd_fit_predictor(args) -> int:
+    from tqdm import tqdm
+
+    from ..models.linear_predictor import MIN_FIT_TOKENS, fit, split_tokens
+
+    out = Path(args.output)
+    if not out.parent.is_dir():
+        raise ExpertCacheError(f"cannot write {args.output!r}: no directory {str(out.parent)!r}")
+    text = read_text_file(args.file)
+    split_tokens(max(args.tokens, MIN_FIT_TOKENS * 2), args.held_out, args.ridge)  # bad options fail before loading
+    model = load_model(args)
+    if model.tokenizer is None:
+        raise ExpertCacheError(f"{model.path}: no tokenizer.json, cannot encode {args.file}")
+    ids = model.tokenizer.encode(text)[: args.tokens]
+    split_tokens(len(ids), args.held_out, args.ridge)
+    with tqdm(total=len(ids), desc="fit", unit="tok", file=sys.stderr) as bar:
+        maps, report = fit(model, ids, chunk=args.chunk, ridge=args.ridge, held_out=args.held_out,
+                           progress=bar.update)
+    maps.meta["text"] = args.file
+    maps.save(out)
+    first = model.cfg.moe_layers[0]
+    prev = {nxt: layer for layer, nxt in zip(model.cfg.moe_layers, model.cfg.moe_layers[1:])}
+    print(f"fitted on {report['fit_tokens']:,} tokens; recall at width 1.0 on the last "
+          f"{report['held_out_tokens']:,} (held out):")
+    print(f"{'layer':>5}  {'predicted from':<24} {'router':>7} {'fitted':>7}")
+    for layer, r in report["layers"].items():
+        src = "the embeddings" if int(layer) == first else f"layer {prev[int(layer)]}'s residual"
+        print(f"{layer:>5}  {src:<24} {r['router']:>7.3f} {r['linear']:>7.3f}")
+    print(f"wrote {out}")
+    print(json.dumps({"output": str(out), **report}))
+    return 0
+
+
 def register(sub) -> None:
     t = sub.add_parser("trace", help="record routing traces and replay them through the cache policies")
     tsub = t.add_subparsers(dest="trace_command", required=True, parser_class=type(t))
@@ -285,6 +322,20 @@ def register(sub) -> None:
                    help="also replay each policy with prefetch from the trace's recorded predictions")
     add_prefetch_width_flag(s)
     s.set_defaults(func=cmd_simulate)
+
+    fp = tsub.add_parser("fit-predictor", help="fit maps that predict the next layer's experts better than "
+                                                "its router (for prefetch: --predictor)")
+    add_model_flags(fp)
+    add_cache_flags(fp)
+    fp.add_argument("-f", "--file", required=True, help="UTF-8 text to run the model over (like the text it will see)")
+    fp.add_argument("-n", "--tokens", type=positive_int, default=65536,
+                    help="use the file's first N tokens (default: 65536)")
+    fp.add_argument("--chunk", type=positive_int, default=1024, help="tokens per sequence (default: 1024)")
+    fp.add_argument("--ridge", type=float, default=1.0, help="ridge regularisation of each map (default: 1.0)")
+    fp.add_argument("--held-out", type=float, default=0.1,
+                    help="share of the tokens (the last) kept out of the fit to measure recall (default: 0.1)")
+    fp.add_argument("-o", "--output", required=True, help="predictor file to write (.safetensors)")
+    fp.set_defaults(func=cmd_fit_predictor)
 
     st = tsub.add_parser("stats", help="expert popularity and reuse distances, per layer")
     st.add_argument("trace")

@@ -29,9 +29,8 @@ def next_moe_layers(moe_layers: Sequence[int]) -> dict[int, int]:
     return dict(zip(moe_layers, moe_layers[1:]))
 
 
-def router_probs(decoder, layer: int, h: torch.Tensor) -> torch.Tensor:
-    """Layer `layer`'s router applied to the residual h [T, D] as that layer's router would see it:
-    probabilities [T, E] in fp32, whose ranking is the router's.
+def router_input(decoder, layer: int, h: torch.Tensor) -> torch.Tensor:
+    """The residual h [T, D] as layer `layer`'s router sees it: [T, D] in the model's dtype.
 
     Qwen-family layers route norm(h, post_norm) @ router.T; Gemma 4's block (`ParallelFFN`) routes
     rms(h) * scale * D^-0.5 @ router.T.
@@ -40,14 +39,29 @@ def router_probs(decoder, layer: int, h: torch.Tensor) -> torch.Tensor:
     if lw.router is None:
         raise ExpertCacheError(f"layer {layer} has no router: only MoE layers can be predicted")
     if lw.block is None:
-        x = decoder.norm(h, lw.post_norm, decoder.cfg.rms_norm_eps)  # [T, D]
-    elif isinstance(lw.block, ParallelFFN):
+        return decoder.norm(h, lw.post_norm, decoder.cfg.rms_norm_eps)  # [T, D]
+    if isinstance(lw.block, ParallelFFN):
         b = lw.block
-        x = gemma_rms_norm(h, None, b.eps) * lw.block_w.scale * b.hidden ** -0.5  # [T, D]
-    else:
-        raise ExpertCacheError(f"layer {layer}: no predictor for a feed-forward block of type "
-                               f"{type(lw.block).__name__}")
-    return torch.softmax(decoder.kernels.linear(x, lw.router), dim=-1, dtype=torch.float)  # [T, E]
+        return gemma_rms_norm(h, None, b.eps) * lw.block_w.scale * b.hidden ** -0.5  # [T, D]
+    raise ExpertCacheError(f"layer {layer}: no predictor for a feed-forward block of type "
+                           f"{type(lw.block).__name__}")
+
+
+def router_probs(decoder, layer: int, h: torch.Tensor) -> torch.Tensor:
+    """Layer `layer`'s router applied to the residual h [T, D] as that layer's router would see it:
+    probabilities [T, E] in fp32, whose ranking is the router's."""
+    x = router_input(decoder, layer, h)
+    return torch.softmax(decoder.kernels.linear(x, decoder.weights.layers[layer].router), dim=-1,
+                         dtype=torch.float)  # [T, E]
+
+
+def embedded(decoder, tokens: torch.Tensor) -> torch.Tensor:
+    """The residual stream the first layer starts from: tokens [T] -> [T, D]."""
+    w = decoder.weights
+    h = F.embedding(tokens, w.embed)  # [T, D]
+    if w.embed_scale is not None:
+        h = h * torch.tensor(w.embed_scale, dtype=h.dtype)
+    return h
 
 
 def rank_experts(probs: torch.Tensor, n: int) -> torch.Tensor:
@@ -74,21 +88,22 @@ class RouterPredictor:
         self.next = next_moe_layers(moe)
         self._pending: dict[int, torch.Tensor] = {}
 
+    def rank(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """MoE layer `layer`'s experts ranked for the residual h [T, D] of an earlier layer (or the
+        embeddings): [T, width] ids, best first."""
+        return rank_experts(router_probs(self.decoder, layer, h), self.width)
+
     @torch.inference_mode()
     def __call__(self, layer: int, h: torch.Tensor) -> None:
         """The residual hook: h [T, D] after `layer`'s mixer ranks the next MoE layer's experts."""
         nxt = self.next.get(layer)
         if nxt is not None and self.decoder.weights.layers[layer].router is not None:
-            self._pending[nxt] = rank_experts(router_probs(self.decoder, nxt, h), self.width)
+            self._pending[nxt] = self.rank(nxt, h)
 
     @torch.inference_mode()
     def predict_first(self, tokens: torch.Tensor) -> None:
         """Rank the first MoE layer's experts for tokens [T] from their embeddings alone."""
-        w = self.decoder.weights
-        h = F.embedding(tokens, w.embed)  # [T, D]
-        if w.embed_scale is not None:
-            h = h * torch.tensor(w.embed_scale, dtype=h.dtype)
-        self._pending[self.first] = rank_experts(router_probs(self.decoder, self.first, h), self.width)
+        self._pending[self.first] = self.rank(self.first, embedded(self.decoder, tokens))
 
     def take(self, layer: int) -> torch.Tensor | None:
         return self._pending.pop(layer, None)
@@ -125,19 +140,21 @@ class NextOpPredictions:
     """What a prefetching cache plans: the predicted experts of each MoE op, named when the op
     before it is planned (docs/cache.md, "Prefetch").
 
-    `attach()` makes a `RouterPredictor` ranking `width_experts(width)` experts per token the
-    decoder's residual hook, and `begin` its forward hook. The predictions are read from whatever
+    `attach()` makes a `RouterPredictor` ranking `width_experts(width)` experts per token (the
+    fitted `LinearPredictor` where `maps` are given) the decoder's residual hook, and `begin` its forward hook. The predictions are read from whatever
     `RouterPredictor` is the residual hook at the time (a trace recorder's while it records), so
     that what a recorded trace says was predicted is what was prefetched. `begin(tokens)` plans the
     first MoE layer's prediction at the start of a forward (`plan(layer, experts)`); `self(layer)`,
     the cache's `predict`, names the next MoE layer's once `layer`'s op is planned.
     """
 
-    def __init__(self, decoder, width: float, plan):
+    def __init__(self, decoder, width: float, plan, maps=None):
+        from .linear_predictor import make_predictor
+
         cfg = decoder.cfg
         self.decoder, self.plan = decoder, plan
         self.n = width_experts(width, cfg.top_k, cfg.num_experts)
-        self.own = RouterPredictor(decoder, self.n) if self.n else None
+        self.own = make_predictor(decoder, self.n, maps) if self.n else None
         self.first = cfg.moe_layers[0]
         self.next = next_moe_layers(cfg.moe_layers)
 

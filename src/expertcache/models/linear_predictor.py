@@ -1,0 +1,247 @@
+"""A fitted predictor of the next MoE layer's experts: one linear map per MoE layer (docs/cache.md,
+"Prefetch").
+
+The default predictor applies MoE layer l''s own router to an earlier residual. That residual
+lacks what the layers in between add (for the first MoE layer, everything but the token's
+embedding), and the router was trained on the later residual, so its ranking drifts: on the
+bundled model it names under half of the first two layers' experts. A map fitted to exactly this
+task, from the earlier residual (in l''s router-input normalisation) to l''s router logits, keeps
+the cost of a router (one [D+1, E] product per token) and learns the average of what is missing.
+
+`fit` runs the model over a text, accumulates each map's normal equations (ridge regression on
+the logits, float64) and solves them once; the text's last tokens are held out to report each
+layer's recall beside the router's. The maps are saved in a safetensors file that names the
+model's routers by checksum, so that they are never applied to another model.
+
+T = tokens, D = hidden, E = experts per layer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import ExpertCacheError
+from .predict import RouterPredictor, embedded, next_moe_layers, rank_experts, router_input
+
+FORMAT = "expertcache-predictor"
+VERSION = 1
+
+
+def router_checksum(decoder) -> str:
+    """sha256 over the MoE layers' router weights, in layer order (what the maps were fitted to)."""
+    digest = hashlib.sha256()
+    for layer in decoder.cfg.moe_layers:
+        r = decoder.weights.layers[layer].router
+        digest.update(r.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@dataclass
+class LinearMaps:
+    """Per MoE layer l: logits [T, E] = x [T, D] @ weight[l].T + bias[l], x the earlier residual in
+    l's router-input normalisation (fp32)."""
+
+    weight: dict[int, torch.Tensor]  # layer -> [E, D] fp32
+    bias: dict[int, torch.Tensor]  # layer -> [E] fp32
+    routers: str  # router_checksum of the model fitted on
+    meta: dict = field(default_factory=dict)  # how it was fitted (free-form, JSON)
+    name: str = "linear"
+
+    def check(self, decoder) -> None:
+        """A one-line error unless these maps were fitted on `decoder`'s model."""
+        cfg = decoder.cfg
+        if sorted(self.weight) != list(cfg.moe_layers):
+            raise ExpertCacheError(f"predictor {self.name}: maps for MoE layers {sorted(self.weight)}, the model's "
+                                   f"are {list(cfg.moe_layers)}")
+        for layer, w in self.weight.items():
+            if tuple(w.shape) != (cfg.num_experts, cfg.hidden_size):
+                raise ExpertCacheError(f"predictor {self.name}: layer {layer} map is {tuple(w.shape)}, expected "
+                                       f"({cfg.num_experts}, {cfg.hidden_size}) (experts, hidden)")
+        if router_checksum(decoder) != self.routers:
+            raise ExpertCacheError(f"predictor {self.name} was fitted on another model (its routers differ): "
+                                   f"fit one for this model with `expertcache trace fit-predictor`")
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the maps atomically: a failed write leaves no partial file and what was at `path`."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        tensors = {f"weight.{layer}": w.contiguous() for layer, w in self.weight.items()}
+        tensors |= {f"bias.{layer}": b.contiguous() for layer, b in self.bias.items()}
+        meta = {"format": FORMAT, "version": str(VERSION), "routers": self.routers, "fit": json.dumps(self.meta)}
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata=meta)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # as an ordinary new file (mkstemp's is private)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> LinearMaps:
+        from safetensors import SafetensorError
+        from safetensors.torch import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise ExpertCacheError(f"predictor {path}: no such file (fit one with `expertcache trace fit-predictor`)")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ExpertCacheError(f"predictor {path}: not a safetensors file ({e})") from None
+        if meta.get("format") != FORMAT or meta.get("version") != str(VERSION):
+            raise ExpertCacheError(f"predictor {path}: format {meta.get('format')!r} version {meta.get('version')!r}, "
+                                   f"expected {FORMAT!r} version {VERSION}")
+        weight, bias = {}, {}
+        for key, t in tensors.items():
+            kind, _, layer = key.partition(".")
+            if kind not in ("weight", "bias") or not layer.isdigit():
+                raise ExpertCacheError(f"predictor {path}: unexpected tensor {key!r}")
+            (weight if kind == "weight" else bias)[int(layer)] = t.float()
+        if sorted(weight) != sorted(bias) or any(bias[k].shape != weight[k].shape[:1] for k in weight):
+            raise ExpertCacheError(f"predictor {path}: each layer needs a weight [E, D] and a bias [E]")
+        return cls(weight, bias, meta.get("routers", ""), json.loads(meta.get("fit", "{}")), name=path.name)
+
+
+class LinearPredictor(RouterPredictor):
+    """`RouterPredictor` with the fitted maps in place of the routers."""
+
+    def __init__(self, decoder, width: int, maps: LinearMaps):
+        super().__init__(decoder, width)
+        maps.check(decoder)
+        self.name = f"linear:{maps.name}"
+        self.weight = {k: v.to(decoder.device) for k, v in maps.weight.items()}
+        self.bias = {k: v.to(decoder.device) for k, v in maps.bias.items()}
+
+    def rank(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        x = router_input(self.decoder, layer, h).float()  # [T, D]
+        return rank_experts(torch.addmm(self.bias[layer], x, self.weight[layer].T), self.width)
+
+
+def make_predictor(decoder, width: int, maps: LinearMaps | None = None) -> RouterPredictor:
+    """The fitted predictor where maps are given, the router predictor otherwise."""
+    return RouterPredictor(decoder, width) if maps is None else LinearPredictor(decoder, width, maps)
+
+
+# ---- fitting -----------------------------------------------------------------------------------
+
+
+class _Collector:
+    """A residual hook that turns one forward's residuals into each MoE layer's (features, logits):
+    features from the residual the predictor would see (the previous MoE layer's, or the
+    embeddings for the first), logits from the layer's own router input."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.prev = {nxt: layer for layer, nxt in next_moe_layers(decoder.cfg.moe_layers).items()}
+        self.features: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def begin(self, tokens: torch.Tensor) -> None:
+        self.features.clear()
+        self.logits.clear()
+        first = self.decoder.cfg.moe_layers[0]
+        self.features[first] = router_input(self.decoder, first, embedded(self.decoder, tokens)).float()
+
+    def __call__(self, layer: int, h: torch.Tensor) -> None:
+        lw = self.decoder.weights.layers[layer]
+        if lw.router is None:
+            return
+        self.logits[layer] = router_input(self.decoder, layer, h).float() @ lw.router.float().T  # [T, E]
+        nxt = next_moe_layers(self.decoder.cfg.moe_layers).get(layer)
+        if nxt is not None:
+            self.features[nxt] = router_input(self.decoder, nxt, h).float()  # [T, D]
+
+
+def _with_one(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1).double()  # [T, D + 1]
+
+
+def _recall(ranked: torch.Tensor, used: torch.Tensor) -> float:
+    """Share of the used experts [T, K] that appear in the ranked ones [T, n]."""
+    return float((ranked.unsqueeze(-1) == used.unsqueeze(1)).any(1).sum()) / used.numel()
+
+
+MIN_FIT_TOKENS = 4096
+
+
+def split_tokens(n: int, held_out: float = 0.1, ridge: float = 1.0) -> tuple[int, int]:
+    """(tokens fitted on, tokens held out) of n; a one-line error for options that cannot fit."""
+    if not 0 <= held_out < 1:
+        raise ExpertCacheError(f"held-out share {held_out!r} must be in [0, 1)")
+    if not ridge >= 0:
+        raise ExpertCacheError(f"ridge {ridge!r} must be >= 0")
+    n_eval = int(n * held_out)
+    if n - n_eval < MIN_FIT_TOKENS:
+        raise ExpertCacheError(f"{n - n_eval} tokens to fit on: give at least {MIN_FIT_TOKENS} "
+                               f"(a longer text, or a larger -n)")
+    return n - n_eval, n_eval
+
+
+def fit(model, token_ids: Sequence[int], chunk: int = 1024, ridge: float = 1.0, held_out: float = 0.1,
+        progress: Callable[[int], None] | None = None) -> tuple[LinearMaps, dict]:
+    """Fit the maps on `model` run over `token_ids` (sequences of `chunk` tokens, each a fresh
+    forward); the last `held_out` share of the tokens is kept out of the fit and measures each
+    layer's recall at width 1.0, the router's beside the maps'. Returns (maps, report)."""
+    ids = list(token_ids)
+    n_fit, n_eval = split_tokens(len(ids), held_out, ridge)
+    net, cfg = model.net, model.cfg
+    moe, K, D = list(cfg.moe_layers), cfg.top_k, cfg.hidden_size
+    gram = {layer: torch.zeros(D + 1, D + 1, dtype=torch.float64) for layer in moe}
+    cross = {layer: torch.zeros(D + 1, cfg.num_experts, dtype=torch.float64) for layer in moe}
+    held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in moe}
+    collect = _Collector(net)
+    hooks = net.residual_hook, net.forward_hook
+    net.residual_hook, net.forward_hook = collect, collect.begin
+    try:
+        for lo, hi in ((0, n_fit), (n_fit, len(ids))):
+            for start in range(lo, hi, chunk):
+                piece = ids[start:min(start + chunk, hi)]
+                model.logits(piece)
+                for layer in moe:
+                    x, y = collect.features[layer].cpu(), collect.logits[layer].cpu()
+                    if lo == 0:
+                        x1 = _with_one(x)
+                        gram[layer] += x1.T @ x1
+                        cross[layer] += x1.T @ y.double()
+                    else:
+                        held[layer].append((x, y))
+                if progress is not None:
+                    progress(len(piece))
+    finally:
+        net.residual_hook, net.forward_hook = hooks
+    weight, bias = {}, {}
+    eye = torch.eye(D + 1, dtype=torch.float64)
+    eye[D, D] = 0  # the bias is not shrunk
+    for layer in moe:
+        a = torch.linalg.solve(gram[layer] + ridge * eye, cross[layer]).float()  # [D + 1, E]
+        weight[layer], bias[layer] = a[:D].T.contiguous(), a[D].contiguous()
+    report = {"fit_tokens": n_fit, "held_out_tokens": n_eval, "ridge": ridge, "chunk": chunk, "layers": {}}
+    for layer in moe:
+        if not held[layer]:
+            continue
+        x = torch.cat([p[0] for p in held[layer]])
+        y = torch.cat([p[1] for p in held[layer]])
+        used = rank_experts(y, K)
+        lw = net.weights.layers[layer]
+        by_router = rank_experts(x @ lw.router.float().cpu().T, K)
+        by_map = rank_experts(torch.addmm(bias[layer], x, weight[layer].T), K)
+        report["layers"][str(layer)] = {"router": round(_recall(by_router, used), 4),
+                                        "linear": round(_recall(by_map, used), 4)}
+    meta = {"model": str(model.path), **{k: v for k, v in report.items() if k != "layers"},
+            "held_out_recall": report["layers"]}
+    return LinearMaps(weight, bias, router_checksum(net), meta), report

@@ -1,0 +1,174 @@
+"""The fitted predictor (`trace fit-predictor`, `--predictor`): what it fits on is the model's own
+routing, its maps are the least-squares solution of that data, it predicts the bundled model's
+held-out routing better than the routers, the runtime and traces use it without changing a
+logit, and a file fitted for another model or a broken one is a one-line error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import expertcache
+from expertcache import CacheConfig, ExpertCacheError
+from expertcache.bench.simulate import simulate
+from expertcache.bench.trace import TraceRecorder
+from expertcache.models import linear_predictor
+from expertcache.models.linear_predictor import LinearMaps, _Collector, fit
+from expertcache.models.predict import embedded, rank_experts, router_input
+from conftest import VOCAB, assert_one_line_error, run_cli
+
+ASSETS = Path(expertcache.__file__).parent / "assets"
+BUNDLED_MAPS = ASSETS / "tiny-qwen3-moe.predictor.safetensors"
+IDS = torch.randint(4, VOCAB, (40,), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """A tiny Qwen2-MoE with dense layers between MoE ones (layers 1 and 3), saved as a checkpoint."""
+    from conftest import build_reference, save_checkpoint, tiny_config
+
+    ref = build_reference(tiny_config("qwen2_moe", experts=16, top_k=4, layers=4, dense=True), seed=7)
+    return save_checkpoint(ref, tmp_path_factory.mktemp("lp") / "qwen2")
+
+
+def test_collected_logits_are_the_routing_and_features_what_the_predictor_sees(qwen2):
+    model = expertcache.load(qwen2)
+    net = model.net
+    collect, routed = _Collector(net), {}
+    net.residual_hook, net.forward_hook = collect, collect.begin
+    net.routing_hook = lambda layer, routing: routed.__setitem__(layer, routing.ids.clone())
+    model.logits(IDS)
+    moe = list(model.cfg.moe_layers)
+    assert moe == [1, 3]
+    for layer in moe:  # the fitted targets rank the experts exactly as the forward routed them
+        got = rank_experts(collect.logits[layer], model.cfg.top_k)
+        assert torch.equal(got.sort(-1).values, routed[layer].sort(-1).values)
+    want_first = router_input(net, 1, embedded(net, IDS)).float()
+    assert torch.equal(collect.features[1], want_first)  # the first MoE layer: from the embeddings
+    assert collect.features[3].shape == (len(IDS), model.cfg.hidden_size)
+
+
+def test_fit_is_the_least_squares_solution_and_held_out_recall_is_measured(qwen2, monkeypatch):
+    monkeypatch.setattr(linear_predictor, "MIN_FIT_TOKENS", 100)  # a short text, so that the test is quick
+    model = expertcache.load(qwen2)
+    ids = torch.randint(4, VOCAB, (600,), generator=torch.Generator().manual_seed(9)).tolist()
+    # The same data collected independently (one forward per chunk), solved with lstsq.
+    net = model.net
+    collect = _Collector(net)
+    xs, ys = {1: [], 3: []}, {1: [], 3: []}
+    net.residual_hook, net.forward_hook = collect, collect.begin
+    for s in range(0, 500, 100):
+        model.logits(ids[s:s + 100])
+        for layer in xs:
+            xs[layer].append(collect.features[layer])
+            ys[layer].append(collect.logits[layer])
+    net.residual_hook = net.forward_hook = None
+    maps, report = fit(model, ids, chunk=100, ridge=0.0, held_out=100 / 600)
+    assert report["fit_tokens"] == 500 and report["held_out_tokens"] == 100
+    for layer in xs:
+        x = torch.cat(xs[layer]).double()
+        x1 = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
+        want = torch.linalg.lstsq(x1, torch.cat(ys[layer]).double()).solution.float()  # [D + 1, E]
+        torch.testing.assert_close(maps.weight[layer], want[:-1].T, atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(maps.bias[layer], want[-1], atol=2e-3, rtol=1e-3)
+        r = report["layers"][str(layer)]
+        assert 0 <= r["router"] <= 1 and 0 <= r["linear"] <= 1
+    assert net.residual_hook is None and net.forward_hook is None  # the fit put the hooks back
+
+
+def test_bundled_predictor_beats_the_routers_on_held_out_text():
+    """The committed maps (fitted on standard-library modules the model was trained on) against
+    the routers, on the held-out text's actual routing: recall at width 1.0 per layer."""
+    model = expertcache.load(None)
+    maps = LinearMaps.load(BUNDLED_MAPS)
+    maps.check(model.net)
+    text = (ASSETS / "heldout.txt").read_text()
+    ids = model.tokenizer.encode(text)[:2048]
+    net, K = model.net, model.cfg.top_k
+    collect = _Collector(net)
+    net.residual_hook, net.forward_hook = collect, collect.begin
+    model.logits(ids)
+    net.residual_hook = net.forward_hook = None
+    for layer in model.cfg.moe_layers:
+        x, used = collect.features[layer], rank_experts(collect.logits[layer], K)
+        by_router = rank_experts(x @ net.weights.layers[layer].router.float().T, K)
+        by_maps = rank_experts(torch.addmm(maps.bias[layer], x, maps.weight[layer].T), K)
+        recall = [float((r.unsqueeze(-1) == used.unsqueeze(1)).any(1).sum()) / used.numel()
+                  for r in (by_router, by_maps)]
+        assert recall[1] > recall[0] + 0.02, (layer, recall)
+        if layer == model.cfg.moe_layers[0]:
+            assert recall[1] > 0.8 > 0.5 > recall[0], recall  # from the embeddings alone
+
+
+def test_runtime_and_traces_use_the_maps_and_logits_do_not_change():
+    resident = expertcache.load(None, cache=CacheConfig(mode="resident"))
+    want = resident.logits(IDS)
+    model = expertcache.load(None, cache=CacheConfig(fraction=0.25, prefetch="on", predictor=str(BUNDLED_MAPS)))
+    assert model.experts.predict.own.name == f"linear:{BUNDLED_MAPS.name}"
+    # A trace recorded with the maps names them and holds their ranking (for the first MoE layer,
+    # the maps applied to the prompt's embeddings), and the runtime prefetched exactly what the
+    # simulator replays from it.
+    rec = TraceRecorder.for_model(model, predict=True)
+    with rec.attached(model):
+        for _ in range(2):
+            assert torch.equal(model.logits(IDS), want)
+    rec.generate(model, IDS[:5].tolist(), max_tokens=4, ignore_eos=True)
+    trace = rec.trace()
+    total = model.telemetry()["total"]
+    sim = simulate(trace.ops(), model.experts.capacity, "lrfu", trace.header.expert_bytes, trace.predictions(1.0))
+    assert sim.prefetch_issued > 0 and sim.prefetch_used > 0
+    assert (total["demand_misses"], total["prefetch_issued"], total["prefetch_used"], total["prefetch_wasted"]) == (
+        sim.misses, sim.prefetch_issued, sim.prefetch_used, sim.prefetch_wasted)
+    assert trace.header.predictor == f"linear:{BUNDLED_MAPS.name}"
+    maps, first = model.predictor_maps, model.cfg.moe_layers[0]
+    x = router_input(model.net, first, embedded(model.net, IDS)).float()
+    ranked = rank_experts(torch.addmm(maps.bias[first], x, maps.weight[first].T), trace.header.pred_width)
+    assert torch.equal(torch.as_tensor(trace.pred[: len(IDS)]).long(), ranked)
+
+
+def test_maps_for_another_model_and_broken_files_are_one_line_errors(qwen2, tmp_path, capsys):
+    with pytest.raises(ExpertCacheError, match="fitted on another model|maps for MoE layers"):
+        expertcache.load(qwen2, cache=CacheConfig(fraction=0.5, predictor=str(BUNDLED_MAPS)))
+    maps = LinearMaps.load(BUNDLED_MAPS)
+    other = LinearMaps({k: v + 0.5 for k, v in maps.weight.items()}, maps.bias, "0" * 64, name="other")
+    other.save(tmp_path / "other.safetensors")
+    code, err = run_cli(capsys, "run", "-p", "hi", "-n", "1", "--cache-fraction", "0.5",
+                        "--predictor", str(tmp_path / "other.safetensors"))
+    assert_one_line_error(code, err, "fitted on another model", "fit-predictor")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    code, err = run_cli(capsys, "run", "-p", "hi", "-n", "1", "--predictor", str(tmp_path / "junk.safetensors"))
+    assert_one_line_error(code, err, "junk.safetensors", "not a safetensors file")
+    code, err = run_cli(capsys, "run", "-p", "hi", "-n", "1", "--predictor", str(tmp_path / "none.safetensors"))
+    assert_one_line_error(code, err, "none.safetensors", "no such file")
+
+
+def test_a_failed_save_leaves_what_was_there(tmp_path, monkeypatch):
+    maps = LinearMaps.load(BUNDLED_MAPS)
+    path = tmp_path / "p.safetensors"
+    path.write_bytes(b"earlier")
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("safetensors.torch.save_file", broken)
+    with pytest.raises(OSError):
+        maps.save(path)
+    assert path.read_bytes() == b"earlier" and sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors"]
+
+
+def test_fit_predictor_command(tmp_path, capsys):
+    text = (ASSETS / "heldout.txt").read_text()[:40_000]
+    (tmp_path / "t.txt").write_text(text)
+    out = tmp_path / "p.safetensors"
+    code, _ = run_cli(capsys, "trace", "fit-predictor", "-f", str(tmp_path / "t.txt"), "-n", "6000",
+                      "--chunk", "1000", "-o", str(out), "-t", "1")
+    assert code == 0
+    maps = LinearMaps.load(out)
+    assert maps.meta["fit_tokens"] + maps.meta["held_out_tokens"] == 6000 and maps.meta["text"].endswith("t.txt")
+    maps.check(expertcache.load(None).net)
+    code, err = run_cli(capsys, "trace", "fit-predictor", "-f", str(tmp_path / "t.txt"), "-n", "100",
+                        "-o", str(tmp_path / "q.safetensors"))
+    assert_one_line_error(code, err, "tokens to fit on")
+    assert not (tmp_path / "q.safetensors").exists()
