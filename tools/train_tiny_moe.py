@@ -63,7 +63,7 @@ def is_heldout(rel: str) -> bool:
 
 
 def scan_stdlib(root: Path) -> list[dict]:
-    """All stdlib *.py files (sorted by relative path) with size, sha256, split."""
+    """All *.py files under `root` (sorted by relative path) with size, sha256, split."""
     entries = []
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = Path(dirpath).relative_to(root)
@@ -95,7 +95,7 @@ def load_manifest(path: Path) -> tuple[Path, list[dict]]:
     """Read a manifest and verify every file against its sha256."""
     man = json.loads(Path(path).read_text())
     root = Path(man["root"])
-    if not root.is_dir():
+    if not root.is_dir() and man.get("corpus", "stdlib") == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
     bad = []
     for e in man["files"]:
@@ -261,6 +261,12 @@ def parse_args(argv=None):
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK, help="work dir for checkpoints (ckpt.pt)")
     ap.add_argument("--manifest", type=Path, default=None, help="train from this manifest (files verified by sha256)")
     ap.add_argument("--resume", action="store_true", help="resume from WORK/ckpt.pt")
+    ap.add_argument("--corpus", type=Path, default=None,
+                    help="train on the *.py files under this directory instead of the standard library "
+                         "(for example a site-packages directory: other text, for a second model)")
+    ap.add_argument("--corpus-mb", type=float, default=None,
+                    help="take files of --corpus in the order of the sha256 of their paths until this "
+                         "many MB (a fixed, spread-out subset of a large tree)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2000, help="total optimizer steps (the lr schedule length)")
     ap.add_argument("--minutes", type=float, default=None,
@@ -313,14 +319,25 @@ def main(argv=None) -> int:
         root, entries = load_manifest(args.manifest)
         print(f"manifest {args.manifest}: {len(entries)} files verified under {root}", flush=True)
     else:
-        root = Path(sysconfig.get_paths()["stdlib"])
+        root = args.corpus.resolve() if args.corpus else Path(sysconfig.get_paths()["stdlib"])
+        if not root.is_dir():
+            raise SystemExit(f"error: --corpus {root}: not a directory")
         entries = scan_stdlib(root)
+        if args.corpus_mb:
+            budget, kept = args.corpus_mb * 1e6, []
+            for e in sorted(entries, key=lambda e: hashlib.sha256(e["path"].encode("utf-8")).hexdigest()):
+                if budget <= 0:
+                    break
+                kept.append(e)
+                budget -= e["size"]
+            entries = sorted(kept, key=lambda e: e["path"])
     train_e = [e for e in entries if e["split"] == "train"]
     held_e = [e for e in entries if e["split"] == "heldout"]
-    print(f"stdlib {root}: {len(entries)} files, train {len(train_e)} "
+    print(f"corpus {root}: {len(entries)} files, train {len(train_e)} "
           f"({sum(e['size'] for e in train_e)/1e6:.2f} MB), heldout {len(held_e)} "
           f"({sum(e['size'] for e in held_e)/1e6:.2f} MB)", flush=True)
     manifest = {
+        "corpus": "stdlib" if root == Path(sysconfig.get_paths()["stdlib"]) else "directory",
         "root": str(root),
         "python": sys.version.split()[0],
         "heldout_rule": f"int(sha256(path), 16) % {HELDOUT_MOD} == 0",
