@@ -91,10 +91,11 @@ def scan_stdlib(root: Path) -> list[dict]:
     return entries
 
 
-def load_manifest(path: Path) -> tuple[Path, list[dict]]:
-    """Read a manifest and verify every file against its sha256."""
+def load_manifest(path: Path, root: Path | None = None) -> tuple[Path, list[dict]]:
+    """Read a manifest and verify every file against its sha256 (under `root` where given: the
+    same tree elsewhere, such as another machine's site-packages)."""
     man = json.loads(Path(path).read_text())
-    root = Path(man["root"])
+    root = Path(root or man["root"])
     if not root.is_dir() and man.get("corpus", "stdlib") == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
     bad = []
@@ -263,7 +264,8 @@ def parse_args(argv=None):
     ap.add_argument("--resume", action="store_true", help="resume from WORK/ckpt.pt")
     ap.add_argument("--corpus", type=Path, default=None,
                     help="train on the *.py files under this directory instead of the standard library "
-                         "(for example a site-packages directory: other text, for a second model)")
+                         "(for example a site-packages directory: other text, for a second model); with "
+                         "--manifest, where the manifest's files are")
     ap.add_argument("--corpus-mb", type=float, default=None,
                     help="take files of --corpus in the order of the sha256 of their paths until this "
                          "many MB (a fixed, spread-out subset of a large tree)")
@@ -316,7 +318,7 @@ def main(argv=None) -> int:
 
     # ---- data + manifest
     if args.manifest is not None:
-        root, entries = load_manifest(args.manifest)
+        root, entries = load_manifest(args.manifest, args.corpus)
         print(f"manifest {args.manifest}: {len(entries)} files verified under {root}", flush=True)
     else:
         root = args.corpus.resolve() if args.corpus else Path(sysconfig.get_paths()["stdlib"])
