@@ -1,0 +1,65 @@
+"""Two prefetch variants tried on the fitted predictor's traces and not adopted (docs/benchmarks.md,
+"A fitted predictor"): prefetched keys entering LRFU with their past score and no added use
+(`QuietResidency`, from extra_tables.py), and an admission rule: a predicted key is prefetched
+into an occupied slot only if the lowest LRFU score among the unpinned resident keys is below the
+predicted key's score plus `alpha`. Each cell: demand misses over MIN's / bytes over lrfu's
+without prefetch, width 1.0. Run from the repository root:
+`python docs/traces/prefetch_variants.py docs/traces/fitted/chat.npz docs/traces/moe64/fitted/long-prefill.npz`.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from extra_tables import QuietPrefetchLRFU, QuietResidency
+from expertcache.bench.trace import load_trace
+from expertcache.bench.simulate import simulate, simulate_belady, parse_capacities
+from expertcache.tiers.residency import Residency
+from expertcache.tiers.policy import LRFU, ExpertKey
+
+
+class AdmitResidency(Residency):
+    """Drops predicted keys whose admission would evict a key scored above theirs + alpha."""
+
+    alpha = 1.0
+    def plan_prefetch(self, layer, experts):
+        pol = self.policy
+        pinned = {k for k in self._last_op if k in self._slot_of}
+        unpinned = [k for k in self._slot_of if k not in pinned]
+        mask = self._masks.get(layer, 0)
+        keep = []
+        free = len(self._free)
+        scores = sorted(pol.score(k) for k in unpinned)
+        j = 0
+        for e in experts:
+            if mask >> e & 1:
+                keep.append(e); continue
+            if free > 0:
+                free -= 1; keep.append(e); continue
+            if j >= len(scores): break
+            if scores[j] < pol.score(ExpertKey(layer, e)) + self.alpha:
+                keep.append(e); j += 1
+        return super().plan_prefetch(layer, keep)
+
+def run(ops, cap, preds, res_cls, pol_cls, b, alpha=None):
+    pol = pol_cls(cap)
+    res = res_cls(cap, pol)
+    if alpha is not None: res.alpha = alpha
+    misses = issued = 0
+    for i, (layer, ex) in enumerate(ops):
+        misses += len(res.plan(layer, ex).misses)
+        if i + 1 < len(ops) and preds[i + 1]:
+            issued += len(res.plan_prefetch(ops[i + 1][0], preds[i + 1]).experts)
+    return misses, (misses + issued)
+
+for path in sys.argv[1:]:
+    t = load_trace(path); h = t.header; ops = t.ops(); b = h.expert_bytes
+    preds = t.predictions(1.0)
+    for label, cap in parse_capacities("25%,50%", h.total_experts):
+        mn = simulate_belady(ops, cap, b).misses
+        base = simulate(ops, cap, "lrfu", b).misses
+        out = [f"{path.split('/')[-2]}/{path.split('/')[-1]} {label}"]
+        m, c = run(ops, cap, preds, Residency, LRFU, b); out.append(f"plain {m/mn:.2f}/{c/base:.2f}")
+        m, c = run(ops, cap, preds, QuietResidency, QuietPrefetchLRFU, b); out.append(f"quiet {m/mn:.2f}/{c/base:.2f}")
+        for a in (0.25, 0.5, 1.0):
+            m, c = run(ops, cap, preds, AdmitResidency, LRFU, b, a); out.append(f"admit{a} {m/mn:.2f}/{c/base:.2f}")
+        print("  ".join(out), flush=True)
