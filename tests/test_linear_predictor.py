@@ -172,3 +172,28 @@ def test_fit_predictor_command(tmp_path, capsys):
                         "-o", str(tmp_path / "q.safetensors"))
     assert_one_line_error(code, err, "tokens to fit on")
     assert not (tmp_path / "q.safetensors").exists()
+
+
+def test_a_reload_with_other_routers_falls_back_to_the_routers(tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(ASSETS / "tiny-qwen3-moe", tmp_path / "m")
+    model = expertcache.load(path, cache=CacheConfig(fraction=0.25, prefetch="on", predictor=str(BUNDLED_MAPS)))
+    model.logits(IDS)
+    assert model.experts.predict.own.name.startswith("linear:")
+    # The checkpoint rewritten with one router changed: the maps no longer fit; the model reloads,
+    # says so once, and predicts with the routers; the logits are the new weights' own.
+    f = next(path.glob("*.safetensors"))
+    tensors = load_file(f)
+    name = next(k for k in tensors if k.endswith("mlp.gate.weight"))
+    tensors[name] = tensors[name].flip(0).contiguous()
+    f.unlink()
+    save_file(tensors, f, metadata={"format": "pt"})
+    capsys.readouterr()
+    got = model.logits(IDS)
+    err = capsys.readouterr().err
+    assert err.count("fitted on another model") == 1 and "the routers predict" in err
+    assert model.predictor_maps is None and model.experts.predict.own.name == "router"
+    assert torch.equal(got, expertcache.load(path, cache=CacheConfig(mode="resident")).logits(IDS))
