@@ -221,6 +221,35 @@ def test_a_prefetch_not_started_is_taken_over(models, reference):
     assert counters[0] == counters[1] and counters[1]["prefetch_used"] > 0
 
 
+def test_a_waved_op_takes_over_its_prefetched_hits_before_later_waves_reuse_their_slots(models, reference,
+                                                                                       tmp_path):
+    # After a reload every slot is free, so the first forward's prediction fills the pool; its op
+    # needs more experts than there are slots and runs in waves. A later wave's fills reuse slots
+    # of the first wave's prefetched hits: their copies, not started (the worker is held), must
+    # still be made for the first wave (once seen only under load, as wrong logits).
+    import shutil
+
+    path = shutil.copytree(models["qwen2"], tmp_path / "m")
+    model = _load(path, experts=10, store="disk", prefetch="on", prefetch_width=2.0)
+    _check(model, reference["qwen2"])
+    for f in path.glob("*.safetensors"):
+        data = f.read_bytes()
+        f.unlink()
+        f.write_bytes(data)
+    worker = model.experts._start_worker()
+    worker.drain()
+    with worker._cond:
+        worker._demand += 1
+    try:
+        assert torch.equal(model.logits(IDS), reference["qwen2"][0])
+        assert model.telemetry()["total"]["prefetch_used"] > 0
+    finally:
+        with worker._cond:
+            worker._demand -= 1
+            worker._cond.notify_all()
+    _slots_hold_what_they_claim(model.experts)
+
+
 # ---- configuration, flags, reporting ---------------------------------------------------------
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 import weakref
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence, Set
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -95,6 +95,7 @@ class ExpertCache:
     def _allocate(self, capacity: int) -> None:
         self.capacity = capacity
         self._pending: dict[int, tuple[CopyJob, int]] = {}  # slot -> the prefetch copy planned into it
+        self._op_reads: Set[tuple[int, ExpertKey]] = frozenset()  # (slot, key) the op in flight reads
         self._jobs: list[CopyJob] = []  # prefetch jobs submitted and not yet reaped
         try:
             self.pool = host_zeros((capacity, self.slot_bytes), torch.uint8, self.device)  # [S, slot bytes]
@@ -142,6 +143,9 @@ class ExpertCache:
             self.residency.clear()  # no reuse: the control copies every expert every op
         self._reap()
         plan = self.residency.plan(layer, experts)
+        # The bookkeeping already holds the last wave's fills: a prefetched hit of an earlier wave
+        # keeps its pending copy even where a later wave reuses its slot (`_sync_pending`).
+        self._op_reads = {(s, ExpertKey(layer, e)) for w in plan.waves for e, s in zip(w.experts, w.slots)}
         if self._pending:
             self._sync_pending()
         pending = self._pending_invalid.pop(layer, None)
@@ -183,6 +187,7 @@ class ExpertCache:
                 finally:
                     self.transfers.after_compute(wave.slots)
         finally:
+            self._op_reads = frozenset()
             # A copy that failed, or a caller that left early, leaves the bookkeeping as if the
             # remaining copies had never been planned: their slots are not marked resident.
             self._unplan(layer, plan.waves[done:])
@@ -349,9 +354,12 @@ class ExpertCache:
 
     def _sync_pending(self) -> None:
         """Prefetch copies whose expert lost its slot (evicted, invalidated) are not made if they
-        have not started; one running is waited for before its slot is written again."""
+        have not started; one running is waited for before its slot is written again. A (slot,
+        key) the op in flight reads in one of its waves (`_op_reads`) is kept whatever the slot
+        holds after the op's last wave: that wave takes the copy over."""
         for s, (job, i) in list(self._pending.items()):
-            if self.residency.key_in(s) != ExpertKey(job.layer, job.experts[i]):
+            key = ExpertKey(job.layer, job.experts[i])
+            if (s, key) not in self._op_reads and self.residency.key_in(s) != key:
                 del self._pending[s]
                 if self._worker is not None:
                     self._worker.drop(job, i)
