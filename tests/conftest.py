@@ -103,6 +103,16 @@ def tiny_checkpoint(tmp_path):
     return make
 
 
+def with_threads(count: int, fn):
+    """fn() with torch on `count` threads, then the previous count again."""
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(count)
+        return fn()
+    finally:
+        torch.set_num_threads(was)
+
+
 def run_cli(capsys, *argv) -> tuple[int, str]:
     """Run the `expertcache` command in-process: (exit code, stderr)."""
     from expertcache.cli import main

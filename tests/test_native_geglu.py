@@ -18,7 +18,7 @@ from gguf.constants import GGMLQuantizationType as Q
 import expertcache
 from expertcache import CacheConfig, kernels
 from expertcache.kernels.quant_native import load_quant_native
-from conftest import CountingModule, save_checkpoint
+from conftest import CountingModule, save_checkpoint, with_threads
 from test_kernels import assert_close_to_exact, bf16
 from test_quant_kernels import vector, wave
 
@@ -91,15 +91,6 @@ D, I = 512, 256
 # Gemma 4's Q4_K_M experts (gate/up Q4_K, down Q5_0 or Q8_0, as llama.cpp's quantizer writes rows
 # of 704), and the other hot formats.
 WAVE_TYPES = [("Q4_K", "Q4_K", "Q5_0"), ("Q4_K", "Q4_K", "Q8_0"), ("Q8_0", "Q5_0", "Q6_K"), ("Q6_K", "Q8_0", "Q4_K")]
-
-
-def with_threads(count: int, fn):
-    was = torch.get_num_threads()
-    try:
-        torch.set_num_threads(count)
-        return fn()
-    finally:
-        torch.set_num_threads(was)
 
 
 @pytest.mark.parametrize("types", WAVE_TYPES, ids=["-".join(t) for t in WAVE_TYPES])

@@ -13,6 +13,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from expertcache.kernels import _cpu_flags
 from expertcache.kernels.quant_native import NATIVE_TYPES, load_quant_native
 from gguf_blocks import llama_cpp_tensors, random_rows
+from conftest import with_threads
 
 TYPES = [t.name for t in NATIVE_TYPES]
 
@@ -124,15 +125,6 @@ def test_gemv_on_expert_shapes(native, name):
         raw, w = weights(qtype, n, k, seed=n)
         x = vector(k, seed=k)
         assert_close_to_exact(native.gemv(raw, qtype, x), w, x)
-
-
-def with_threads(count: int, fn):
-    was = torch.get_num_threads()
-    try:
-        torch.set_num_threads(count)
-        return fn()
-    finally:
-        torch.set_num_threads(was)
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "IQ4_XS", "BF16"])

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import tempfile
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,13 +36,19 @@ FORMAT = "expertcache-predictor"
 VERSION = 1
 
 
+_CHECKSUMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> its routers' checksum
+
+
 def router_checksum(decoder) -> str:
-    """sha256 over the MoE layers' router weights, in layer order (what the maps were fitted to)."""
-    digest = hashlib.sha256()
-    for layer in decoder.cfg.moe_layers:
-        r = decoder.weights.layers[layer].router
-        digest.update(r.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    """sha256 over the MoE layers' router weights, in layer order (what the maps were fitted to);
+    once per decoder, whose weights do not change (a reload builds a new one)."""
+    if decoder not in _CHECKSUMS:
+        digest = hashlib.sha256()
+        for layer in decoder.cfg.moe_layers:
+            r = decoder.weights.layers[layer].router
+            digest.update(r.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        _CHECKSUMS[decoder] = digest.hexdigest()
+    return _CHECKSUMS[decoder]
 
 
 @dataclass
@@ -147,7 +154,7 @@ class _Collector:
 
     def __init__(self, decoder):
         self.decoder = decoder
-        self.prev = {nxt: layer for layer, nxt in next_moe_layers(decoder.cfg.moe_layers).items()}
+        self.next = next_moe_layers(decoder.cfg.moe_layers)
         self.features: dict[int, torch.Tensor] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
@@ -162,7 +169,7 @@ class _Collector:
         if lw.router is None:
             return
         self.logits[layer] = router_input(self.decoder, layer, h).float() @ lw.router.float().T  # [T, E]
-        nxt = next_moe_layers(self.decoder.cfg.moe_layers).get(layer)
+        nxt = self.next.get(layer)
         if nxt is not None:
             self.features[nxt] = router_input(self.decoder, nxt, h).float()  # [T, D]
 

@@ -21,6 +21,7 @@ kept position describe another continuation and are dropped.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,7 +70,7 @@ class PartialSnapshots:
         return out
 
 
-class SnapshotSchedule:
+class SnapshotSchedule(ABC):
     """When the caches whose state cannot be cut back (recurrent state here, sliding-window rings
     in `window_cache.py`) take snapshots, as the module docstring says. A subclass names the
     per-layer states (`_held`), how a snapshot is made of copies of them (`_snapshot`) and
@@ -85,14 +86,17 @@ class SnapshotSchedule:
         self.snapshots: list = []  # by position, ascending
         self._partial = PartialSnapshots()
 
+    @abstractmethod
     def _held(self) -> dict:
-        raise NotImplementedError
+        """The per-layer states a snapshot copies, by layer."""
 
+    @abstractmethod
     def _snapshot(self, position: int, states: dict):
-        raise NotImplementedError
+        """A snapshot at `position` made of copies of `states`."""
 
+    @abstractmethod
     def _incomplete(self) -> bool:
-        raise NotImplementedError
+        """Whether a failed forward left some layers ahead of `length`."""
 
     def begin(self, n: int) -> None:
         if self._incomplete():

@@ -143,10 +143,11 @@ class ExpertCache:
             self.residency.clear()  # no reuse: the control copies every expert every op
         self._reap()
         plan = self.residency.plan(layer, experts)
-        # The bookkeeping already holds the last wave's fills: a prefetched hit of an earlier wave
-        # keeps its pending copy even where a later wave reuses its slot (`_sync_pending`).
-        self._op_reads = {(s, ExpertKey(layer, e)) for w in plan.waves for e, s in zip(w.experts, w.slots)}
         if self._pending:
+            # The bookkeeping already holds the last wave's fills: a prefetched hit of an earlier
+            # wave keeps its pending copy even where a later wave reuses its slot. (Copies planned
+            # later in this op are for the next layer, so without pending ones nothing is kept.)
+            self._op_reads = {(s, ExpertKey(layer, e)) for w in plan.waves for e, s in zip(w.experts, w.slots)}
             self._sync_pending()
         pending = self._pending_invalid.pop(layer, None)
         if pending:
