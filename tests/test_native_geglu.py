@@ -208,21 +208,26 @@ def test_gemma4_bf16_native_decode_is_as_close_to_the_reference_as_torchs(gemma4
 
 def test_gemma4_q8_0_gguf_decodes_through_the_quantized_geglu_call(monkeypatch):
     """The llama.cpp-quantized Gemma 4 fixture in bf16: every decode step's experts run in the
-    quantized GeGLU call; the same logits in every cache mode, close to torch's kernels."""
+    quantized GeGLU call; the same logits in every cache mode, close to torch's kernels with the
+    same activations (exact, and rounded to 8 bits)."""
     from gguf_recordings import record
     from test_gguf_gemma4 import FIXTURES, Q8
 
     path = FIXTURES / f"{Q8}.gguf"
     ids = record(FIXTURES, Q8)["heldout"]["tokens"][:48]
-    model = expertcache.load(path, dtype="bfloat16", kernels="native", cache=CacheConfig(mode="resident"))
-    counting = CountingModule(model.kernels.quant, "experts")
-    monkeypatch.setattr(model.kernels, "_quant", counting)
-    want = decode(model, ids, 32)
-    assert counting.calls["experts"] >= 16
-    for cache in CACHES:
-        got = expertcache.load(path, dtype="bfloat16", kernels="native", cache=cache)
-        assert torch.equal(decode(got, ids, 32), want), cache
-    torch_logits = decode(expertcache.load(path, dtype="bfloat16", kernels="torch"), ids, 32)[32:].float()
-    scale = torch_logits.abs().max()
-    gap = (want[32:].float() - torch_logits).abs().amax(-1).median()
-    assert gap <= 0.05 * scale, (gap, scale)
+    for acts in ("exact", "q8"):
+        model = expertcache.load(path, dtype="bfloat16", kernels="native", activations=acts,
+                                 cache=CacheConfig(mode="resident"))
+        assert model.kernels.act8 == (acts == "q8")
+        counting = CountingModule(model.kernels.quant, "experts")
+        monkeypatch.setattr(model.kernels, "_quant", counting)
+        want = decode(model, ids, 32)
+        assert counting.calls["experts"] >= 16
+        for cache in CACHES:
+            got = expertcache.load(path, dtype="bfloat16", kernels="native", activations=acts, cache=cache)
+            assert torch.equal(decode(got, ids, 32), want), cache
+        torch_model = expertcache.load(path, dtype="bfloat16", kernels="torch", activations=acts)
+        torch_logits = decode(torch_model, ids, 32)[32:].float()
+        scale = torch_logits.abs().max()
+        gap = (want[32:].float() - torch_logits).abs().amax(-1).median()
+        assert gap <= 0.05 * scale, (acts, gap, scale)

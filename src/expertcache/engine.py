@@ -120,6 +120,7 @@ class LoadOptions:
     kernels: str
     prefill_stretch: int = 4096  # tokens per load of each expert in a long prefill (`Model.prefill`)
     prefill_mem: int = 2 << 30   # bytes a stretch's activations may take; a longer stretch is cut
+    activations: str = "auto"    # products with quantized weights: exact, or rounded to 8 bits (q8)
 
 
 class Model:
@@ -393,13 +394,15 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
          dtype: str | torch.dtype | None = None, cache: CacheConfig | None = None,
          ctx_size: int | None = None, threads: int | None = None, kernels: str = "auto",
          tokenizer: str | os.PathLike | None = None, prefill_stretch: int = 4096,
-         prefill_mem: int | None = None) -> Model:
+         prefill_mem: int | None = None, activations: str = "auto") -> Model:
     """Load a Hugging Face MoE checkpoint directory or a GGUF file (the bundled model when `path`
     is None). `tokenizer` names a directory with a tokenizer.json to use instead of the model's.
 
     `threads` sets torch's CPU threads (None leaves them as they are). `kernels`: "auto" (native
     kernels for a bf16 model on the CPU where they build, torch's otherwise), "torch" or "native"
-    (see `kernels`). `prefill_stretch`: tokens a long prompt's MoE ops run over per load of each
+    (see `kernels`). `activations`: "auto" (8-bit activations where the native kernels run a
+    quantized model, as llama.cpp's CPU products do; exact elsewhere), "exact" or "q8": how products
+    with quantized weights take their input (`kernels.ACTIVATIONS_CHOICES`). `prefill_stretch`: tokens a long prompt's MoE ops run over per load of each
     expert (`Model.prefill`), cut to what `prefill_mem` bytes of activations hold (default
     2 GiB). Every argument is checked before a weight is read."""
     if threads is not None:
@@ -413,7 +416,7 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ExpertCacheError(f"{name} {value!r} must be an integer >= 1")
     options = LoadOptions(_device(device), parse_dtype(dtype), cache or CacheConfig(), ctx_size, kernels,
-                          prefill_stretch, prefill_mem or LoadOptions.prefill_mem)
+                          prefill_stretch, prefill_mem or LoadOptions.prefill_mem, activations)
     path = Path(path) if path is not None else default_model_path()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -463,8 +466,8 @@ def _assemble(path: Path, options: LoadOptions, kernels: Kernels | None,
     dtype = options.dtype or opened.cfg.dtype
     if kernels is None:  # before the weights: a bad choice costs nothing
         quantized = any(opened.experts.format(i).quantized for i in opened.cfg.moe_layers)
-        kernels = select_kernels(options.kernels, options.device, dtype, quantized)
-    dense = load_dense(opened, options.device, dtype)
+        kernels = select_kernels(options.kernels, options.device, dtype, quantized, options.activations)
+    dense = load_dense(opened, options.device, dtype, kernels.multiplies_blocks)
     if experts is None:
         experts = build_experts(opened.experts, options.cache, options.device, dtype)
     else:

@@ -10,7 +10,7 @@ import argparse
 import os
 
 from .config import CACHE_MODES, DEFAULT_POLICY, POLICY_NAMES, PREFETCH_MODES, STORES, CacheConfig
-from .kernels import KERNELS
+from .kernels import ACTIVATIONS_CHOICES, KERNELS
 
 
 class Parser(argparse.ArgumentParser):
@@ -68,6 +68,11 @@ def add_kernels_flag(p) -> None:
     p.add_argument("--kernels", choices=KERNELS, default="auto",
                    help="auto (default): the native decode kernels for a bf16 or quantized model on the CPU where "
                         "they build (compiled on first use; g++ and ninja), torch's otherwise; torch; native")
+    p.add_argument("--activations", choices=ACTIVATIONS_CHOICES, default="auto",
+                   help="products with quantized weights: q8 rounds their input to 8 bits per block first, as "
+                        "llama.cpp's CPU products do (faster, results move by ~1e-3); exact multiplies it as it is; "
+                        "auto (default): q8 where the native kernels run a quantized model, exact elsewhere "
+                        "(--dtype float32 is the exact reference)")
 
 
 def add_cache_flags(p: argparse.ArgumentParser) -> None:

@@ -19,6 +19,8 @@ Table, then one JSON line.
 
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 import json
 import statistics
@@ -76,26 +78,42 @@ def measure_matmul_rate(hidden: int, inter: int, dtype: torch.dtype) -> float:
 
 
 def weight_bytes_per_token(model) -> dict:
-    """Bytes of weights one decode step reads: dense parts, top-k experts per MoE layer, LM head."""
+    """Bytes of weights one decode step reads: dense parts, top-k experts per MoE layer, LM head
+    (quantized matrices count their blocks' bytes), and `weights`, how many weights those are."""
     cfg, w = model.cfg, model.net.weights
     dense = 0
     for lw in w.layers:
         dense += lw.mixer.weight_bytes(lw.attn)
         if lw.router is not None:
-            dense += lw.router.numel() * lw.router.element_size()
+            dense += lw.router.nbytes
         for mlp in (lw.dense, lw.shared):
             if mlp is not None:
-                dense += (mlp.gate_up.numel() + mlp.down.numel()) * mlp.down.element_size()
+                dense += mlp.gate_up.nbytes + mlp.down.nbytes
     experts = cfg.top_k * sum(model.experts.expert_bytes.values())
-    head = w.lm_head.numel() * w.lm_head.element_size()
-    return {"dense": dense, "experts": experts, "lm_head": head, "total": dense + experts + head}
+    head = w.lm_head.nbytes
+    return {"dense": dense, "experts": experts, "lm_head": head, "total": dense + experts + head,
+            "weights": _weights_per_token(model)}
+
+
+def _weights_per_token(model) -> int:
+    """Weights one token multiplies, the LM head left out: every dense matrix of the layers and
+    top-k experts of 3 x hidden x expert width each."""
+    cfg, w = model.cfg, model.net.weights
+    n = 0
+    for lw in w.layers:
+        for f in dataclasses.fields(lw.attn):  # the mixer's matrices (a few small norm tables too)
+            value = getattr(lw.attn, f.name)
+            if hasattr(value, "shape") and len(value.shape) == 2:
+                n += value.shape[0] * value.shape[1]
+        for m in (lw.router, *(x for mlp in (lw.dense, lw.shared) if mlp is not None for x in (mlp.gate_up, mlp.down))):
+            if m is not None:
+                n += m.shape[0] * m.shape[1]
+    return n + cfg.top_k * len(cfg.moe_layers) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
 def matmul_flops_per_token(model) -> int:
     """Matrix FLOPs per prompt token (2 x active weights, without the LM head: prefill keeps one row)."""
-    b = weight_bytes_per_token(model)
-    itemsize = model.net.dtype.itemsize
-    return 2 * (b["dense"] + b["experts"]) // itemsize
+    return 2 * weight_bytes_per_token(model)["weights"]
 
 
 def _decode(model, prompt: list[int], n: int) -> dict:
@@ -284,7 +302,8 @@ def run(args) -> dict:
     bar = tqdm(configs, desc="bench speed", unit="config", file=sys.stderr)
     for mode, frac in bar:
         model = expertcache.load(args.model, dtype=args.dtype, cache=CacheConfig(mode=mode, fraction=frac, store="ram"),
-                                 ctx_size=max(args.prefill) + args.decode + 72, kernels=args.kernels)
+                                 ctx_size=max(args.prefill) + args.decode + 72, kernels=args.kernels,
+                                 activations=args.activations)
         if "matmul_rate" not in machine:
             machine["matmul_rate"] = measure_matmul_rate(model.cfg.hidden_size, model.cfg.moe_intermediate_size,
                                                          model.net.dtype)
@@ -312,7 +331,7 @@ def run(args) -> dict:
             gc.collect()
         results.append(row)
     out = {"bench": "speed", "model": str(args.model), "threads": args.threads, "pairs": args.pairs,
-           "kernels": args.kernels,
+           "kernels": args.kernels, "activations": "q8" if resident is not None and resident.kernels.act8 else "exact",
            "machine": machine, "results": results}
     if args.vs_llamacpp:
         out["llamacpp"] = side_by_side(resident, args.vs_llamacpp, args.threads, prompt, args.decode, args.prefill,
@@ -337,7 +356,7 @@ def bound_pairs(resident, model, prompt: list[int], n: int, copy_bw: float, pair
 def table(out: dict) -> str:
     m = out["machine"]
     lines = [f"machine: read {m['read_bw'] / 1e9:.1f} GB/s, copy {m['copy_bw'] / 1e9:.1f} GB/s, "
-             f"matmul {m['matmul_rate'] / 1e9:.0f} GFLOP/s; threads {out['threads']}; kernels {out['kernels']}", ""]
+             f"matmul {m['matmul_rate'] / 1e9:.0f} GFLOP/s; threads {out['threads']}; kernels {out['kernels']}; activations {out.get('activations', 'exact')}", ""]
     head = (f"{'mode':<9}{'cap':>5} {'decode t/s':>10} {'ms/tok':>7} {'route':>6} {'attn':>6} {'exprt':>6} "
             f"{'copy':>6} {'rest':>6} {'read GB/s':>9} {'of peak':>7} {'vs bound':>8}")
     lines += [head, "-" * len(head)]

@@ -58,3 +58,40 @@ class QuantTensor:
 
     def rows(self, start: int, stop: int) -> QuantTensor:
         return QuantTensor(self.raw[start:stop], self.qtype, (stop - start, self.shape[1]))
+
+    def take(self, index: torch.Tensor) -> QuantTensor:
+        """Rows `index` (a permutation or selection), as a new matrix: each row is its own blocks."""
+        return QuantTensor(self.raw[index].contiguous(), self.qtype, (len(index), self.shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @staticmethod
+    def cat(parts: list[QuantTensor]) -> QuantTensor | None:
+        """The parts' rows one after another, as one matrix; None unless they share type and width."""
+        first = parts[0]
+        if any(p.qtype != first.qtype or p.shape[1] != first.shape[1] for p in parts):
+            return None
+        return QuantTensor(torch.cat([p.raw for p in parts]), first.qtype,
+                           (sum(p.shape[0] for p in parts), first.shape[1]))
+
+
+@dataclass(frozen=True, slots=True)
+class RowParts:
+    """Matrices multiplied as one whose rows cannot be joined into one tensor (quantized in
+    different types, or some quantized and some not): `shape` [sum of rows, cols]; a product is
+    each part's product, side by side."""
+
+    parts: tuple  # of QuantTensor or torch.Tensor, each [rows_i, cols]
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]

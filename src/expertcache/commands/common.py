@@ -31,7 +31,8 @@ def load_model(args):
 
     model = load(args.model, device=args.device, dtype=args.dtype, cache=cache_config(args),
                  ctx_size=getattr(args, "ctx_size", None), threads=args.threads,
-                 kernels=args.kernels, tokenizer=args.tokenizer, **prefill_options(args))
+                 kernels=args.kernels, activations=args.activations, tokenizer=args.tokenizer,
+                 **prefill_options(args))
     if model.ctx_size > model.cfg.max_position:  # as llama.cpp warns: it runs, quality may not hold
         print(f"expertcache: warning: -c {model.ctx_size} is beyond the {model.cfg.max_position} tokens the model "
               "was trained on; output past that length may degrade", file=sys.stderr, flush=True)

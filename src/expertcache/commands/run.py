@@ -138,7 +138,14 @@ def cmd_info(args) -> int:
             kinds = groups.setdefault(group, {})
             kinds[storage_name(t.storage)] = kinds.get(storage_name(t.storage), 0) + 1
         info["tensor_types"] = groups
-        info["dense_weights"] = f"dequantized at load to {str(cfg.dtype).removeprefix('torch.')} (--dtype)"
+        dense = m.ckpt
+        blocks = [n for n in dense.names if dense.row_order(n) is not None]
+        mb = sum(dense.gg.info(dense.names[n]).nbytes for n in blocks) / 1e6
+        info["dense_weights"] = (
+            f"{len(blocks)} quantized matrices ({mb:,.1f} MB) stay the file's blocks where the kernels multiply "
+            "blocks (native kernels, the CPU default, or --activations q8; routers and family-specific "
+            f"projections excepted); everything else is dequantized at load to {str(cfg.dtype).removeprefix('torch.')} "
+            "(--dtype)")
     if args.json:
         print(json.dumps(info))
         return 0

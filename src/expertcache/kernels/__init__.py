@@ -36,9 +36,14 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from ..checkpoint.storage import QuantTensor, RowParts
 from ..errors import ExpertCacheError
 
 KERNELS = ("auto", "torch", "native")
+# How the activations of products with quantized weights are taken: as they are (exact), or
+# rounded to 8 bits per block first (q8), as llama.cpp's CPU products do; auto is q8 where the
+# native quantized kernels run a decode step (a quantized model in bf16 on the CPU).
+ACTIVATIONS_CHOICES = ("auto", "exact", "q8")
 SOURCE = Path(__file__).parent.parent / "native" / "decode.cpp"
 
 _loaded: dict[bool, ModuleType] = {}
@@ -97,10 +102,14 @@ def load_native(portable: bool = False) -> ModuleType:
     return _loaded[portable]
 
 
-def check_choice(kernels: str, device: torch.device, dtype: torch.dtype) -> None:
+def check_choice(kernels: str, device: torch.device, dtype: torch.dtype, activations: str = "auto") -> None:
     """Checks that a kernel choice applies to this device and dtype, before anything is built."""
     if kernels not in KERNELS:
         raise ExpertCacheError(f"kernels {kernels!r} is not one of {', '.join(KERNELS)}")
+    if activations not in ACTIVATIONS_CHOICES:
+        raise ExpertCacheError(f"activations {activations!r} is not one of {', '.join(ACTIVATIONS_CHOICES)}")
+    if activations == "q8" and device.type != "cpu":
+        raise ExpertCacheError(f"--activations q8 runs on the CPU; got device {device}, expected cpu")
     if kernels in ("torch", "auto"):
         return
     if device.type != "cpu":
@@ -110,26 +119,33 @@ def check_choice(kernels: str, device: torch.device, dtype: torch.dtype) -> None
                                "expected bfloat16 (--dtype bfloat16)")
 
 
-def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bool = False) -> Kernels:
+def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bool = False,
+           activations: str = "auto") -> Kernels:
     """The kernel set for a model: torch's, or the native one (built on first use).
 
     `auto` (the default) is native where it applies and builds: a bf16 model on the CPU (fp32 is
     the exact reference path and stays on torch, as does every GPU); where the kernels cannot be
     built (no compiler, no ninja) it says so in one line and uses torch's. `quantized` builds the
-    kernels over quantized blocks too, before any weight is read."""
-    check_choice(kernels, device, dtype)
-    if kernels == "torch" or (kernels == "auto" and (device.type != "cpu" or dtype != torch.bfloat16)):
-        return TorchKernels()
-    try:
-        chosen = NativeKernels(load_native())
-        if quantized:
-            chosen.quant  # noqa: B018 (built now: a failure belongs to the choice, not to a forward)
-        return chosen
-    except ExpertCacheError as e:
-        if kernels == "native":
-            raise
-        print(f"expertcache: {e}; using torch's kernels (--kernels torch to choose them)", file=sys.stderr, flush=True)
-        return TorchKernels()
+    kernels over quantized blocks too, before any weight is read. `activations` (see
+    `ACTIVATIONS_CHOICES`) decides whether products with quantized weights round their
+    activations to 8 bits first."""
+    check_choice(kernels, device, dtype, activations)
+    chosen: Kernels = TorchKernels()
+    if not (kernels == "torch" or (kernels == "auto" and (device.type != "cpu" or dtype != torch.bfloat16))):
+        try:
+            chosen = NativeKernels(load_native())
+            if quantized:
+                chosen.quant  # noqa: B018 (built now: a failure belongs to the choice, not to a forward)
+        except ExpertCacheError as e:
+            if kernels == "native":
+                raise
+            print(f"expertcache: {e}; using torch's kernels (--kernels torch to choose them)", file=sys.stderr,
+                  flush=True)
+            chosen = TorchKernels()
+    chosen.act8 = quantized and (activations == "q8" or (activations == "auto" and isinstance(chosen, NativeKernels)))
+    if chosen.act8:
+        chosen.quant  # noqa: B018 (the rounding is native on either kernel set: built now)
+    return chosen
 
 
 _REDUCED = (torch.bfloat16, torch.float16)
@@ -187,6 +203,53 @@ class Kernels:
 
     name = ""
     native: ModuleType | None = None
+    # Products with quantized weights round their activations to 8 bits first (`select`).
+    act8 = False
+    _quant: ModuleType | None = None
+
+    @property
+    def quant(self) -> ModuleType:
+        """The kernels over quantized blocks (`quant_native`), built when first needed."""
+        if self._quant is None:
+            from .quant_native import load_quant_native
+
+            self._quant = load_quant_native()
+        return self._quant
+
+    @property
+    def multiplies_blocks(self) -> bool:
+        """Whether dense quantized matrices are best kept as blocks (`load_dense`): the kernels
+        have one-row products over blocks (native) or round activations for them (act8)."""
+        return self.act8
+
+    def embedding(self, tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `tokens` [T] of an embedding table -> [T, D] in `dtype`; a quantized table's rows
+        are decoded exactly (fp32, rounded once), as a table dequantized at load holds them."""
+        if isinstance(table, QuantTensor):
+            return self.dense(table.take(tokens), dtype)
+        return F.embedding(tokens, table)
+
+    def linear_blocks(self, x: torch.Tensor, w: QuantTensor | RowParts, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] @ w^T for w the file's blocks: one row straight from the blocks (native), more
+        rows against the weights decoded a block of rows at a time (a bounded temporary). With
+        act8 the rows are rounded as llama.cpp rounds them and multiplied in fp32."""
+        if isinstance(w, RowParts):
+            ends = torch.tensor([p.shape[0] for p in w.parts]).cumsum(0).tolist()
+            return torch.cat([self.linear(x, p, None if b is None else b[e - p.shape[0]:e])
+                              for p, e in zip(w.parts, ends)], dim=-1)
+        T, (N, K) = x.shape[0], w.shape
+        if T == 1:
+            y = self.quant.gemv(w.raw, int(w.qtype), x[0].contiguous(), self.act8).to(x.dtype)  # [N]
+            return (y if b is None else y + b)[None]
+        dtype = torch.float32 if self.act8 else x.dtype
+        xin = self.quant.round_activations(x, int(w.qtype)) if self.act8 else x
+        out = torch.empty((T, N), dtype=x.dtype, device=x.device)
+        step = max(1, WIDE_BLOCK_BYTES // (4 * K))
+        for a in range(0, N, step):
+            e = min(a + step, N)
+            part = self.linear(xin, self.dense(w.rows(a, e), dtype), None if b is None else b[a:e].to(dtype))
+            out[:, a:e] = part
+        return out
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] @ w[N, K]^T (+ b) -> [T, N].
@@ -197,6 +260,8 @@ class Kernels:
         depends only on the row count, never on cache state, so results stay identical across
         cache modes.
         """
+        if isinstance(w, (QuantTensor, RowParts)):
+            return self.linear_blocks(x, w, b)
         if x.shape[0] == 1 and x.dtype in _REDUCED and x.device.type == "cpu":
             # torch.backends.mkldnn.flags() does the same but costs ~10 us and warns on every call.
             was = torch._C._get_mkldnn_enabled()
@@ -232,8 +297,20 @@ class Kernels:
         matrices are dequantized exactly (to fp32, then the compute dtype) before the product."""
         if isinstance(w.gate_up, torch.Tensor) and isinstance(w.down, torch.Tensor):
             return self.swiglu(x, w.gate_up, w.down, act)
+        if self.act8:
+            return self._expert_act8(x, w, act)
         gate_up = torch.cat((self.dense(w.gate, x.dtype), self.dense(w.up, x.dtype)))  # [2I, D]
         return self.swiglu(x, gate_up, self.dense(w.down, x.dtype), act)
+
+    def _expert_act8(self, x: torch.Tensor, w, act: str) -> torch.Tensor:
+        """A quantized expert with its activations rounded to 8 bits (llama.cpp's numerics) on any
+        number of rows: each product is the rounded rows (exact in fp32) times the decoded
+        weights in fp32, the intermediate in fp32, as the native one-row call computes it."""
+        def product(v: torch.Tensor, m) -> torch.Tensor:
+            return F.linear(self.quant.round_activations(v, int(m.qtype)), self.dense(m, torch.float32))
+
+        h = ACTIVATIONS[act](product(x, w.gate)) * product(x, w.up)  # [T, I] fp32
+        return product(h, w.down).to(x.dtype)                        # [T, D]
 
     def dense(self, w, dtype: torch.dtype) -> torch.Tensor:
         """A weight as a float matrix in `dtype`: itself, or its blocks dequantized (exactly, in
@@ -261,28 +338,24 @@ class NativeKernels(Kernels):
 
     def __init__(self, module: ModuleType):
         self.native = module
-        self._quant: ModuleType | None = None
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         # A native model is bf16 on the CPU (`check_choice`), so one row is the native product.
+        if isinstance(w, (QuantTensor, RowParts)):
+            return self.linear_blocks(x, w, b)
         if x.shape[0] == 1 and w.is_contiguous():
             y = self.native.gemv(w, x[0].contiguous())  # [N]
             return (y if b is None else y + b)[None]    # [1, N]
         return super().linear(x, w, b)
 
+    @property
+    def multiplies_blocks(self) -> bool:
+        return True
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] == 1:
             return self.native.rms_norm(x.contiguous(), weight, eps)  # one call for torch's eight
         return super().rms_norm(x, weight, eps)
-
-    @property
-    def quant(self) -> ModuleType:
-        """The kernels over quantized blocks (`quant_native`), built when first needed."""
-        if self._quant is None:
-            from .quant_native import load_quant_native
-
-            self._quant = load_quant_native()
-        return self._quant
 
     def dense(self, w, dtype: torch.dtype) -> torch.Tensor:
         # The native decoder writes the rounded values straight into the output, rows across
@@ -302,7 +375,7 @@ class NativeKernels(Kernels):
             # experts of a layer share one format, so the wave's types are the first's.
             y = self.quant.experts(x[0].contiguous(), [w.gate.raw for _, w in wave], [w.up.raw for _, w in wave],
                                    [w.down.raw for _, w in wave], int(first.gate.qtype), int(first.up.qtype),
-                                   int(first.down.qtype), act)  # [n, D] float32
+                                   int(first.down.qtype), act, self.act8)  # [n, D] float32
             return y.to(x.dtype)
         if not all(isinstance(w.gate_up, torch.Tensor) for _, w in wave):
             return None

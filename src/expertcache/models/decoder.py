@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..kernels import Kernels
@@ -24,6 +23,7 @@ from .layers import KVCache, MLPWeights, Rotary
 from .mixers import Mixer
 from .moe import OP_BUFFERS, ExpertProvider, Routing, Workspace, moe_experts, route
 from .state import MAX_SNAPSHOTS, SNAPSHOT_EVERY, SequenceState
+from ..tiers.layout import Weight
 from .window_cache import WindowKVCache
 
 
@@ -47,9 +47,9 @@ class LayerWeights:
 class DenseWeights:
     """Every weight that stays in the fast tier."""
 
-    embed: torch.Tensor    # [V, D]
+    embed: Weight          # [V, D]; a QuantTensor where the kernels multiply blocks (`load_dense`)
     norm: torch.Tensor     # [D]
-    lm_head: torch.Tensor  # [V, D]
+    lm_head: Weight        # [V, D]
     layers: list[LayerWeights]
     # Norm weights hold 1 + w in fp32, applied in fp32 and rounded once (Qwen3.5), instead of w
     # applied in the compute dtype.
@@ -123,6 +123,14 @@ class Decoder:
                              self.snapshot_every, self.max_snapshots)
 
     @torch.inference_mode()
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The residual stream the first layer starts from: tokens [T] -> [T, D]."""
+        w = self.weights
+        h = self.kernels.embedding(tokens, w.embed, self.dtype)  # [T, D]
+        if w.embed_scale is not None:
+            h = h * torch.tensor(w.embed_scale, dtype=h.dtype)
+        return h
+
     def forward(self, tokens: torch.Tensor, kv: KVCache, all_logits: bool = True,
                 chunk: int | None = None, should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run tokens [T] after what `kv` holds; return logits [T, V] (or [1, V] for the last).
@@ -148,9 +156,7 @@ class Decoder:
             kv.reserve(base + T)  # once: a reallocation would copy only the first `length` positions
         cos, sin = self.rotary(base, T)
         act = cfg.hidden_act
-        h = F.embedding(tokens, w.embed)  # [T, D]
-        if w.embed_scale is not None:
-            h = h * torch.tensor(w.embed_scale, dtype=h.dtype)
+        h = self.embed(tokens)  # [T, D]
         try:
             for i, lw in enumerate(w.layers):
                 if chunk == T:

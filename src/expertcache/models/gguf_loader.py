@@ -4,9 +4,11 @@ name map translates them), and the experts as the file's quantized bytes.
 
 llama.cpp's converter stores each MoE layer's experts as three tensors [E, rows, cols]
 (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`), or a fused `ffn_gate_up_exps`; one expert is a
-slice of each, so it spans two or three ranges of the file, each in its own storage type. Dense
-weights are dequantized at load (exactly, to fp32, then the compute dtype); experts stay as the
-file's blocks in both tiers and are dequantized only by the compute path.
+slice of each, so it spans two or three ranges of the file, each in its own storage type. Experts
+stay as the file's blocks in both tiers and are dequantized only by the compute path. Dense
+matrices stay as the file's blocks too where the kernels multiply blocks (`GGUFDense.matrix`:
+native kernels, or 8-bit activations) and the converter stored them as they are or with their
+rows reordered; everything else is dequantized at load (exactly, to fp32, then the compute dtype).
 
 A family whose layers are not all alike (Qwen3.5's `qwen35moe`, Gemma 4's `gemma4`) completes
 the config from its own keys (`Architecture.gguf_config`; Gemma 4's also reads the file's tensor
@@ -26,7 +28,7 @@ from gguf.constants import GGMLQuantizationType as Q
 
 from ..checkpoint.gguf_io import GGUFCheckpoint
 from ..checkpoint.safetensors_io import Segment
-from ..checkpoint.storage import GGML_DTYPES, is_quantized
+from ..checkpoint.storage import GGML_DTYPES, QuantTensor, is_quantized
 from ..config import ModelConfig, RopeConfig
 from ..errors import ExpertCacheError
 from ..kernels.dequant import dequantize
@@ -102,7 +104,7 @@ def config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConfi
             max_position=get("context_length", 4096), rope=RopeConfig(theta=float(theta)),
             norm_topk_prob=bool(get("expert_weights_norm", arch.gguf_norm_topk_prob)),
             tie_word_embeddings="output.weight" not in gg,
-            qkv_bias=f"blk.0.attn_q.bias" in gg, o_bias="blk.0.attn_output.bias" in gg,
+            qkv_bias="blk.0.attn_q.bias" in gg, o_bias="blk.0.attn_output.bias" in gg,
             qk_norm=arch.qk_norm, clip_qkv=get("attention.clamp_kqv"),
             sparse_layers=sparse,
             shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0) or 0,
@@ -142,6 +144,31 @@ class GGUFDense:
         t = dequantize(raw, info.storage, info.shape) if is_quantized(info.storage) else raw.view(info.storage) \
             .view(info.shape)
         return self.arch.from_gguf(hf_name, t.float().reshape(self.shapes[hf_name]), self.cfg)
+
+    def matrix(self, hf_name: str) -> QuantTensor | None:
+        """A quantized matrix as the file's blocks, with the rows in the order `read` gives them;
+        None when it is not quantized or the converter changed it other than by reordering rows.
+        (Each row is its own blocks, so a row order can be undone on the bytes; anything else is
+        undone on the dequantized values by `read`.)"""
+        order = self.row_order(hf_name)
+        if order is None:
+            return None
+        name, shape = self.names[hf_name], self.shapes[hf_name]
+        q = QuantTensor(self.gg.read(name).view(shape[0], -1), self.gg.info(name).storage, tuple(shape))
+        return q if torch.equal(order, torch.arange(shape[0])) else q.take(order)
+
+    def row_order(self, hf_name: str) -> torch.Tensor | None:
+        """For a quantized matrix the converter stored as it is or with its rows reordered: the
+        file's row behind each row `read` gives; None for anything else. Reads no weight."""
+        info, shape = self.gg.info(self.names[hf_name]), self.shapes[hf_name]
+        if not is_quantized(info.storage) or len(shape) != 2 or tuple(info.shape) != tuple(shape):
+            return None
+        rows = torch.arange(shape[0], dtype=torch.float64)[:, None]  # [N, 1]: what from_gguf does to rows
+        moved = self.arch.from_gguf(hf_name, rows, self.cfg)
+        if not isinstance(moved, torch.Tensor) or moved.shape != rows.shape or \
+                not torch.equal(moved[:, 0].sort().values, rows[:, 0]):
+            return None
+        return moved[:, 0].long()
 
 
 class GGUFExperts:

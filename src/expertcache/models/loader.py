@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.safetensors_io import Checkpoint, Segment, TensorInfo
+from ..checkpoint.storage import QuantTensor, RowParts
 from ..config import ModelConfig
 from ..errors import ExpertCacheError
 from ..memory import host_copy
-from ..tiers.layout import ExpertFormat
+from ..tiers.layout import ExpertFormat, Weight
 from . import for_model_type
 from .arch import IGNORED_SUFFIXES, PACKED_LAYOUT, Architecture, ExpertLayout
 from .decoder import DenseWeights, LayerWeights
@@ -220,8 +221,10 @@ def open_model(path: str | Path) -> OpenedModel:
     return OpenedModel(path, cfg, arch, ckpt, layout, experts)
 
 
-def load_dense(m: OpenedModel, device: torch.device, dtype: torch.dtype) -> DenseWeights:
-    """Embedding, final norm, LM head and every layer's dense weights, in `dtype` on `device`."""
+def load_dense(m: OpenedModel, device: torch.device, dtype: torch.dtype, blocks: bool = False) -> DenseWeights:
+    """Embedding, final norm, LM head and every layer's dense weights, in `dtype` on `device`.
+    `blocks`: the kernels multiply quantized blocks, so a GGUF's quantized matrices stay as the
+    file's blocks (`GGUFDense.matrix`) where the converter left them so."""
     ckpt, cfg, N = m.ckpt, m.cfg, m.arch.names(m.cfg)
 
     def read(name: str) -> torch.Tensor:
@@ -231,16 +234,30 @@ def load_dense(m: OpenedModel, device: torch.device, dtype: torch.dtype) -> Dens
         # Weights every step reads go to huge-page memory; fused ones are joined first.
         return host_copy(read(name))
 
+    def matrices(names: list[str]) -> Weight:
+        """Matrices multiplied as one (their rows joined): the file's blocks where they all stay
+        blocks of one type, else floats."""
+        if blocks and hasattr(ckpt, "matrix"):
+            parts = [ckpt.matrix(n) for n in names]
+            if all(p is None for p in parts):
+                return host_copy(torch.cat([read(n) for n in names]))
+            if all(p is not None for p in parts) and (joined := QuantTensor.cat(parts)) is not None:
+                return QuantTensor(host_copy(joined.raw), joined.qtype, joined.shape)
+            kept = tuple(get(n) if p is None else QuantTensor(host_copy(p.raw), p.qtype, p.shape)
+                         for n, p in zip(names, parts))
+            return RowParts(kept, (sum(p.shape[0] for p in kept), kept[0].shape[1]))
+        return host_copy(torch.cat([read(n) for n in names]))
+
     def norm(name: str) -> torch.Tensor:
         return unit_offset(read(name)) if m.arch.unit_offset_norms else get(name)
 
     def mlp(prefix: str) -> MLPWeights:
-        gate_up = torch.cat([read(prefix + "gate_proj.weight"), read(prefix + "up_proj.weight")])
-        return MLPWeights(host_copy(gate_up), get(prefix + "down_proj.weight"))
+        return MLPWeights(matrices([prefix + "gate_proj.weight", prefix + "up_proj.weight"]),
+                          matrices([prefix + "down_proj.weight"]))
 
-    reader = Reader(read, host_copy, lambda name: name in ckpt)
-    embed = get(N["embed"])
-    lm_head = embed if cfg.tie_word_embeddings else get(N["lm_head"])
+    reader = Reader(read, host_copy, lambda name: name in ckpt, matrices)
+    embed = matrices([N["embed"]])
+    lm_head = embed if cfg.tie_word_embeddings else matrices([N["lm_head"]])
     layers = []
     block = m.arch.block(cfg)
     for i, mixer in enumerate(m.arch.mixers(cfg)):

@@ -25,11 +25,14 @@ from .layers import AttentionWeights, KVCache, attention
 
 class Reader:
     """What a mixer loads its weights through: `read` gives a tensor in the compute dtype on the
-    device, `keep` one that every step reads (huge-page memory), `has` whether a name exists."""
+    device, `keep` one that every step reads (huge-page memory), `has` whether a name exists,
+    `matrices` matrices multiplied as one (rows joined), which may stay quantized blocks
+    (`QuantTensor`) that only `Kernels.linear` takes."""
 
     def __init__(self, read: Callable[[str], torch.Tensor], keep: Callable[[torch.Tensor], torch.Tensor],
-                 has: Callable[[str], bool]):
+                 has: Callable[[str], bool], matrices: Callable[[list[str]], object] | None = None):
         self.read, self.keep, self.has = read, keep, has
+        self.matrices = matrices or (lambda names: keep(torch.cat([read(n) for n in names])))
 
     def get(self, name: str) -> torch.Tensor:
         return self.keep(self.read(name))
@@ -94,8 +97,8 @@ class Attention(Mixer):
         cfg, N, p = self.cfg, self.names, prefix
         qkv_bias = [r.opt(p + N[f"{n}_bias"]) for n in "qkv"]
         w = AttentionWeights(
-            qkv=r.keep(torch.cat([r.read(p + N[n]) for n in "qkv"])),
-            o=r.get(p + N["o"]), qkv_bias=torch.cat(qkv_bias) if qkv_bias[0] is not None else None,
+            qkv=r.matrices([p + N[n] for n in "qkv"]),
+            o=r.matrices([p + N["o"]]), qkv_bias=torch.cat(qkv_bias) if qkv_bias[0] is not None else None,
             o_bias=r.opt(p + N["o_bias"]), q_norm=r.opt(p + N["q_norm"]), k_norm=r.opt(p + N["k_norm"]))
         if cfg.qk_norm == "head":
             w.stack_head_norms(cfg.num_heads, cfg.num_kv_heads)
@@ -131,7 +134,7 @@ class GatedAttention(Mixer):
         if self.bias:
             bias = torch.cat([r.read(f"{p}{n}_proj.bias") for n in "qkv"])
         return GatedAttentionWeights(
-            r.keep(torch.cat([r.read(f"{p}{n}_proj.weight") for n in "qkv"])), r.get(p + "o_proj.weight"),
+            r.matrices([f"{p}{n}_proj.weight" for n in "qkv"]), r.matrices([p + "o_proj.weight"]),
             unit_offset(r.read(p + "q_norm.weight")), unit_offset(r.read(p + "k_norm.weight")),
             bias, r.opt(p + "o_proj.bias") if self.bias else None)
 

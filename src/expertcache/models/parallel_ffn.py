@@ -65,8 +65,8 @@ class ParallelFFN:
 
     def load(self, prefix: str, r: Reader) -> ParallelFFNWeights:
         N, m = NAMES, prefix + NAMES["mlp"]
-        dense = MLPWeights(r.keep(torch.cat([r.read(m + "gate_proj.weight"), r.read(m + "up_proj.weight")])),
-                           r.get(m + "down_proj.weight"))
+        dense = MLPWeights(r.matrices([m + "gate_proj.weight", m + "up_proj.weight"]),
+                           r.matrices([m + "down_proj.weight"]))
         return ParallelFFNWeights(dense, *(r.read(prefix + N[n]) for n in ("post_1", "pre_2", "post_2", "post",
                                                                            "scale", "expert_scale")),
                                   r.opt(prefix + N["layer_scalar"]))

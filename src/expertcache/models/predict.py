@@ -17,7 +17,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import ExpertCacheError
 from .parallel_ffn import ParallelFFN
@@ -57,11 +56,7 @@ def router_probs(decoder, layer: int, h: torch.Tensor) -> torch.Tensor:
 
 def embedded(decoder, tokens: torch.Tensor) -> torch.Tensor:
     """The residual stream the first layer starts from: tokens [T] -> [T, D]."""
-    w = decoder.weights
-    h = F.embedding(tokens, w.embed)  # [T, D]
-    if w.embed_scale is not None:
-        h = h * torch.tensor(w.embed_scale, dtype=h.dtype)
-    return h
+    return decoder.embed(tokens)
 
 
 def rank_experts(probs: torch.Tensor, n: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ..errors import ExpertCacheError
 from .arch import HF_TENSOR_NAMES, Architecture, Key, gguf_required
 from .deltanet import DeltaNetConfig, DeltaNetWeights
 from .gated_attention import GatedAttentionConfig
-from .mixers import DELTANET_TENSORS, DeltaNet, GatedAttention, Mixer, Reader
+from .mixers import DeltaNet, GatedAttention, Mixer, Reader
 from .qwen3_moe import QWEN_EXPERT_LAYOUTS
 
 # `layer_types` values, and the mixer each names.
@@ -53,12 +53,13 @@ class GGUFDeltaNet(DeltaNet):
     holds A = -exp(A_log) itself, taken as is."""
 
     def load(self, prefix: str, r: Reader) -> DeltaNetWeights:
-        t = {n: r.read(prefix + "linear_attn." + n) for n in DELTANET_TENSORS}
-        w = DeltaNetWeights(r.keep(t["in_proj_qkv.weight"]), r.keep(t["in_proj_z.weight"]),
-                            r.keep(t["in_proj_b.weight"]), r.keep(t["in_proj_a.weight"]),
-                            t["conv1d.weight"].squeeze(1).contiguous(), t["dt_bias"], t["A_log"].float(),
-                            t["norm.weight"], r.keep(t["out_proj.weight"]))
-        return w
+        p = prefix + "linear_attn."
+        t = {n: r.read(p + n) for n in ("conv1d.weight", "dt_bias", "A_log", "norm.weight")}
+        proj = {n: r.matrices([p + n + ".weight"]) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                               "out_proj")}
+        return DeltaNetWeights(proj["in_proj_qkv"], proj["in_proj_z"], proj["in_proj_b"], proj["in_proj_a"],
+                               t["conv1d.weight"].squeeze(1).contiguous(), t["dt_bias"], t["A_log"].float(),
+                               t["norm.weight"], proj["out_proj"])
 
 
 def default_layer_types(layers: int, interval: int = 4) -> tuple[str, ...]:

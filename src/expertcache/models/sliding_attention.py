@@ -108,7 +108,7 @@ class SlidingAttention(Mixer):
         p = prefix + "self_attn."
         parts = "qk" if self.cfg.k_eq_v else "qkv"
         return SlidingAttentionWeights(
-            r.keep(torch.cat([r.read(f"{p}{n}_proj.weight") for n in parts])), r.get(p + "o_proj.weight"),
+            r.matrices([f"{p}{n}_proj.weight" for n in parts]), r.matrices([p + "o_proj.weight"]),
             r.read(p + "q_norm.weight"), r.read(p + "k_norm.weight"),
             r.read(prefix + "post_attention_layernorm.weight"))
 

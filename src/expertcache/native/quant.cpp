@@ -469,6 +469,314 @@ float row_dot(const Format& fmt, const uint8_t* row, const float* x, int64_t K, 
   return acc.sum();
 }
 
+// ---- 8-bit activations: llama.cpp's CPU numerics --------------------------------------------
+//
+// ggml's CPU products round the activation row to the weight type's partner format first (its
+// `vec_dot_type`) and then take integer dot products per block: Q8_0 blocks (32 values, one fp16
+// scale) beside Q4_0, Q5_0, Q8_0, IQ4_NL (and Q8_1, the same values, beside Q4_1 and Q5_1);
+// Q8_K blocks (256 values, one fp32 scale, sums of 16) beside the K-quants and IQ4_XS; the row
+// rounded to fp16 or bf16 beside F16 and BF16 weights; nothing beside F32. Here a row is
+// rounded the same way (`Act`), and each block's product is an exact integer sum times the two
+// scales, so the result is the product of the rounded row and the exactly decoded weights, up to
+// the order of the float additions. The integer sums are exact in any order, and the float steps
+// are the same in the vector and the plain build: the two builds give the same bits. Types
+// without an integer kernel multiply their decoded weights by the rounded row (`xt`) in fp32.
+
+enum ActKind { A_F32, A_F16, A_BF16, A_Q8_0, A_Q8_K };
+
+ActKind act_kind(int64_t type) {
+  switch (type) {
+    case F32: return A_F32;
+    case F16: return A_F16;
+    case BF16: return A_BF16;
+    case Q8_0: case Q4_0: case Q4_1: case Q5_0: case Q5_1: case IQ4_NL: return A_Q8_0;
+    default: return A_Q8_K;
+  }
+}
+
+struct Act {
+  ActKind kind = A_F32;
+  std::vector<int8_t> q;       // the rounded row's integers (Q8_0, Q8_K)
+  std::vector<float> d;        // one scale per block of 32 (Q8_0) or 256 (Q8_K)
+  std::vector<int32_t> bsum;   // Q8_K: the sum of each 16 integers
+  std::vector<float> xt;       // the rounded row as floats: d * q, or x rounded to fp16/bf16
+};
+
+inline float round_f16(float v) { return static_cast<float>(c10::Half(v)); }
+inline float round_bf16(float v) { return static_cast<float>(at::BFloat16(v)); }
+
+// x [K] rounded as ggml rounds it for a product with weights of `type`. Q8_0 as ggml's x86
+// quantizer does (scale max|x| / 127 stored as fp16; x * 127 / max|x| rounded to nearest even);
+// Q8_K as ggml's reference (the value of largest magnitude maps to -127, ties to even, at most 127).
+void quantize_act(const float* x, int64_t K, int64_t type, Act& a) {
+  a.kind = act_kind(type);
+  a.xt.resize(K);
+  if (a.kind == A_F32 || a.kind == A_F16 || a.kind == A_BF16) {
+    for (int64_t k = 0; k < K; ++k)
+      a.xt[k] = a.kind == A_F32 ? x[k] : a.kind == A_F16 ? round_f16(x[k]) : round_bf16(x[k]);
+    return;
+  }
+  const int block = a.kind == A_Q8_0 ? 32 : 256;
+  TORCH_CHECK(K % block == 0, "x: a row of ", K, " values is not a whole number of ", a.kind == A_Q8_0 ? "Q8_0" : "Q8_K",
+              " blocks of ", block);
+  a.q.resize(K);
+  a.d.resize(K / block);
+  if (a.kind == A_Q8_K) a.bsum.resize(K / 16);
+  for (int64_t b = 0; b < K / block; ++b) {
+    const float* xb = x + b * block;
+    int8_t* qb = a.q.data() + b * block;
+    float amax = 0.f, mx = 0.f;
+    for (int i = 0; i < block; ++i) {
+      const float ax = std::fabs(xb[i]);
+      if (ax > amax) { amax = ax; mx = xb[i]; }
+    }
+    if (a.kind == A_Q8_0) {
+      const float dh = round_f16(amax / 127.f), id = amax != 0.f ? 127.f / amax : 0.f;
+      for (int i = 0; i < block; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));
+      a.d[b] = dh;
+    } else if (amax == 0.f) {
+      std::memset(qb, 0, block);
+      a.d[b] = 0.f;
+    } else {
+      const float iscale = -127.f / mx;
+      for (int i = 0; i < block; ++i)
+        qb[i] = static_cast<int8_t>(std::min(127, static_cast<int>(std::nearbyint(iscale * xb[i]))));
+      a.d[b] = 1.f / iscale;
+    }
+    for (int i = 0; i < block; ++i) a.xt[b * block + i] = a.d[b] * static_cast<float>(qb[i]);
+    if (a.kind == A_Q8_K)
+      for (int j = 0; j < block / 16; ++j) {
+        int32_t s = 0;
+        for (int i = 0; i < 16; ++i) s += qb[j * 16 + i];
+        a.bsum[b * 16 + j] = s;
+      }
+  }
+}
+
+// Integer dot products of one weight block with its rounded activations (block index `i`):
+// each returns the block's contribution in fp32.
+using IntDot = float (*)(const uint8_t*, const Act&, int64_t);
+
+#if defined(EXPERTCACHE_AVX2)
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+// 32 signed weights (at least -128) times 32 activations (at least -127): eight int32 sums.
+inline __m256i dot_i8(__m256i w, __m256i a) {
+  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+#endif
+
+// The 32-weight types (one fp16 scale per block): each block gives eight exact int32 sums, lane j
+// over weights 4j..4j+3, which are scaled and added into eight fp32 lanes in block order; the
+// lanes are summed in a fixed order at the end of the row. The plain build forms the same lane
+// sums and takes the same float steps (multiply, then add), so the two builds agree bit for bit.
+struct Acc8 {
+#if defined(EXPERTCACHE_AVX2)
+  __m256 v = _mm256_setzero_ps();
+  void add(__m256i sums, float scale) {
+    v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(sums)));
+  }
+  float sum() const {
+    alignas(32) float l[8];
+    _mm256_store_ps(l, v);
+    float s = 0.f;
+    for (int i = 0; i < 8; ++i) s += l[i];
+    return s;
+  }
+#else
+  float l[8] = {0};
+  // w: the block's 32 weights as integers
+  void add(const int8_t* w, const int8_t* a, float scale) {
+    for (int j = 0; j < 8; ++j) {
+      int32_t t = 0;
+      for (int i = 4 * j; i < 4 * j + 4; ++i) t += static_cast<int32_t>(w[i]) * a[i];
+      l[j] += scale * static_cast<float>(t);
+    }
+  }
+  float sum() const {
+    float s = 0.f;
+    for (int i = 0; i < 8; ++i) s += l[i];
+    return s;
+  }
+#endif
+};
+
+#if defined(EXPERTCACHE_AVX2)
+// A block's 32 weights as signed bytes, in order.
+using Ints32 = __m256i (*)(const uint8_t*);
+inline __m256i nibbles32(const uint8_t* q) {  // 16 bytes -> low nibbles (weights 0-15), high (16-31)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), m = _mm_set1_epi8(15);
+  return _mm256_setr_m128i(_mm_and_si128(v, m), _mm_and_si128(_mm_srli_epi16(v, 4), m));
+}
+__m256i ints_q8_0(const uint8_t* b) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)); }
+__m256i ints_q4_0(const uint8_t* b) { return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); }
+__m256i ints_q5_0(const uint8_t* b) {
+  const __m256i hb = _mm256_setr_m128i(bit_bytes16(b + 2), bit_bytes16(b + 4));
+  return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), hb), _mm256_set1_epi8(16));
+}
+__m256i ints_iq4_nl(const uint8_t* b) {
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4));
+  const __m256i n = nibbles32(b + 2);
+  return _mm256_setr_m128i(_mm_shuffle_epi8(table, _mm256_castsi256_si128(n)),
+                           _mm_shuffle_epi8(table, _mm256_extracti128_si256(n, 1)));
+}
+#else
+using Ints32 = void (*)(const uint8_t*, int8_t*);
+void ints_q8_0(const uint8_t* b, int8_t* w) { std::memcpy(w, b + 2, 32); }
+void ints_q4_0(const uint8_t* b, int8_t* w) {
+  for (int l = 0; l < 16; ++l) {
+    w[l] = static_cast<int8_t>((b[2 + l] & 15) - 8);
+    w[l + 16] = static_cast<int8_t>((b[2 + l] >> 4) - 8);
+  }
+}
+void ints_q5_0(const uint8_t* b, int8_t* w) {
+  const uint32_t qh = u32(b + 2);
+  for (int l = 0; l < 16; ++l) {
+    w[l] = static_cast<int8_t>(((b[6 + l] & 15) | (((qh >> l) & 1) << 4)) - 16);
+    w[l + 16] = static_cast<int8_t>(((b[6 + l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - 16);
+  }
+}
+void ints_iq4_nl(const uint8_t* b, int8_t* w) {
+  for (int l = 0; l < 16; ++l) {
+    w[l] = kIQ4[b[2 + l] & 15];
+    w[l + 16] = kIQ4[b[2 + l] >> 4];
+  }
+}
+#endif
+
+// One row of a 32-weight type against its rounded activations.
+template <Ints32 INTS, int BYTES>
+float row_dot_32(const uint8_t* row, const Act& a, int64_t K) {
+  Acc8 acc;
+  for (int64_t i = 0, nb = K / 32; i < nb; ++i) {
+    const uint8_t* b = row + i * BYTES;
+    const int8_t* aq = a.q.data() + i * 32;
+    const float scale = h2f(b) * a.d[i];
+#if defined(EXPERTCACHE_AVX2)
+    acc.add(dot_i8(INTS(b), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq))), scale);
+#else
+    alignas(32) int8_t w[32];
+    INTS(b, w);
+    acc.add(w, aq, scale);
+#endif
+  }
+  return acc.sum();
+}
+
+// Q4_K/Q5_K: sum over the 8 sub-blocks of scale_j * (q . a) and of min_j * (sum of a_j).
+template <bool FIVE>
+float idot_q45_k(const uint8_t* b, const Act& a, int64_t i) {
+  const float d = h2f(b), dmin = h2f(b + 2);
+  const uint8_t *qh = b + 16, *qs = b + (FIVE ? 48 : 16);
+  const int8_t* aq = a.q.data() + i * 256;
+  const int32_t* bs = a.bsum.data() + i * 16;
+  int sc[8], m[8];
+  for (int j = 0; j < 8; ++j) k_scale(b + 4, j, sc[j], m[j]);
+  int32_t sumi = 0, summ = 0;
+#if defined(EXPERTCACHE_AVX2)
+  const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+  const __m256i hb = FIVE ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
+  __m256i acc = _mm256_setzero_si256();
+  for (int p = 0; p < 4; ++p) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 32));
+    __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    if (FIVE) {
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p)), one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p + 1)), one), 4));
+    }
+    const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + p * 64));
+    const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + p * 64 + 32));
+    const __m256i s0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), _mm256_set1_epi16(static_cast<int16_t>(sc[2 * p])));
+    const __m256i s1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), _mm256_set1_epi16(static_cast<int16_t>(sc[2 * p + 1])));
+    acc = _mm256_add_epi32(acc, _mm256_add_epi32(s0, s1));
+  }
+  sumi = hsum_i32(acc);
+#else
+  for (int j = 0; j < 8; ++j) {
+    const uint8_t* q = qs + (j / 2) * 32;
+    const int shift = (j % 2) * 4;
+    int32_t s = 0;
+    for (int l = 0; l < 32; ++l) {
+      int v = (q[l] >> shift) & 15;
+      if (FIVE) v |= ((qh[l] >> j) & 1) << 4;
+      s += v * aq[j * 32 + l];
+    }
+    sumi += sc[j] * s;
+  }
+#endif
+  for (int j = 0; j < 8; ++j) summ += m[j] * (bs[2 * j] + bs[2 * j + 1]);
+  return (a.d[i] * d) * static_cast<float>(sumi) - (a.d[i] * dmin) * static_cast<float>(summ);
+}
+
+// Q6_K: sum over the 16 sub-blocks of scale_j * ((q - 32) . a), the 32 taken out through the sums of a.
+float idot_q6_k(const uint8_t* b, const Act& a, int64_t i) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = h2f(b + 208);
+  const int8_t* aq = a.q.data() + i * 256;
+  const int32_t* bs = a.bsum.data() + i * 16;
+  int32_t sumi = 0, off = 0;
+#if defined(EXPERTCACHE_AVX2)
+  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+  __m256i acc = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + h * 32));
+    for (int s = 0; s < 4; ++s) {
+      __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + h * 64 + (s % 2) * 32));
+      lo = s < 2 ? _mm256_and_si256(lo, m4) : _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
+      const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * s)), m2);
+      const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63
+      const int w = h * 128 + s * 32;
+      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + w));
+      const __m256i scv = _mm256_setr_m128i(_mm_set1_epi16(sc[w / 16]), _mm_set1_epi16(sc[w / 16 + 1]));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, av), scv));
+    }
+  }
+  sumi = hsum_i32(acc);
+#else
+  for (int h = 0; h < 2; ++h)
+    for (int s = 0; s < 4; ++s)
+      for (int g = 0; g < 2; ++g) {
+        const int w = h * 128 + s * 32 + g * 16;
+        const uint8_t *lo = ql + h * 64 + (s % 2) * 32 + g * 16, *hi = qh + h * 32 + g * 16;
+        int32_t t = 0;
+        for (int l = 0; l < 16; ++l) {
+          const int q = ((lo[l] >> (4 * (s / 2))) & 15) | (((hi[l] >> (2 * s)) & 3) << 4);
+          t += q * aq[w + l];
+        }
+        sumi += sc[w / 16] * t;
+      }
+#endif
+  for (int j = 0; j < 16; ++j) off += sc[j] * bs[j];
+  return (a.d[i] * d) * static_cast<float>(sumi - 32 * off);
+}
+
+using RowDot32 = float (*)(const uint8_t*, const Act&, int64_t);
+
+RowDot32 row_dot_32_of(int64_t type) {
+  switch (type) {
+    case Q8_0: return row_dot_32<ints_q8_0, 34>;
+    case Q4_0: return row_dot_32<ints_q4_0, 18>;
+    case Q5_0: return row_dot_32<ints_q5_0, 22>;
+    case IQ4_NL: return row_dot_32<ints_iq4_nl, 18>;
+    default: return nullptr;
+  }
+}
+
+IntDot int_dot_of(int64_t type) {
+  switch (type) {
+    case Q4_K: return idot_q45_k<false>;
+    case Q5_K: return idot_q45_k<true>;
+    case Q6_K: return idot_q6_k;
+    default: return nullptr;
+  }
+}
+
 int64_t row_bytes(const Format& fmt, int64_t K) {
   if (fmt.one) return K * (fmt.bytes / fmt.block);
   TORCH_CHECK(K % fmt.block == 0, fmt.name, ": a row of ", K, " weights is not a whole number of blocks of ",
@@ -491,9 +799,28 @@ torch::Tensor as_f32(const torch::Tensor& x) {
   return x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
 }
 
+// One row with the activations rounded as ggml rounds them (`Act`): integer blocks where the type
+// has them, else the decoded weights times the rounded row.
+struct ActDot {
+  IntDot idot = nullptr;      // 256-weight blocks: one call per block
+  RowDot32 row32 = nullptr;   // 32-weight blocks: the whole row
+};
+
+ActDot act_dot_of(int64_t type) { return {int_dot_of(type), row_dot_32_of(type)}; }
+
+float row_dot_act(const Format& fmt, const ActDot& ad, const uint8_t* row, const Act& a, int64_t K) {
+  if (ad.row32) return ad.row32(row, a, K);
+  const IntDot idot = ad.idot;
+  if (!idot) return row_dot(fmt, row, a.xt.data(), K);
+  float acc = 0.f;
+  for (int64_t i = 0, nb = K / fmt.block; i < nb; ++i) acc += idot(row + i * fmt.bytes, a, i);
+  return acc;
+}
+
 // y [N] = W x: W [N, K] of ggml type `type` as raw rows [N, row bytes], x [K]; fp32.
-// fused=false takes the plain decoders (the reference the register-level ones are tested against).
-torch::Tensor product(const torch::Tensor& w, int64_t type, const torch::Tensor& x_in, bool fused) {
+// fused=false takes the plain decoders (the reference the register-level ones are tested against);
+// act8 rounds x first, as ggml's CPU products do.
+torch::Tensor product(const torch::Tensor& w, int64_t type, const torch::Tensor& x_in, bool fused, bool act8) {
   const torch::Tensor x = as_f32(x_in);
   const Format fmt = format_of(type);
   const int64_t K = x.size(0);
@@ -503,16 +830,42 @@ torch::Tensor product(const torch::Tensor& w, int64_t type, const torch::Tensor&
   const uint8_t* W = w.data_ptr<uint8_t>();
   const float* X = x.data_ptr<float>();
   float* Y = y.data_ptr<float>();
+  Act a;
+  const ActDot idot = act8 ? act_dot_of(type) : ActDot{};
+  if (act8) quantize_act(X, K, type, a);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) Y[r] = row_dot(fmt, W + r * stride, X, K, fused);
+    for (int64_t r = begin; r < end; ++r)
+      Y[r] = act8 ? row_dot_act(fmt, idot, W + r * stride, a, K) : row_dot(fmt, W + r * stride, X, K, fused);
   });
   return y;
 }
 
-torch::Tensor gemv(const torch::Tensor& w, int64_t type, const torch::Tensor& x) { return product(w, type, x, true); }
+torch::Tensor gemv(const torch::Tensor& w, int64_t type, const torch::Tensor& x, bool act8) {
+  return product(w, type, x, true, act8);
+}
 
 torch::Tensor gemv_decoded(const torch::Tensor& w, int64_t type, const torch::Tensor& x) {
-  return product(w, type, x, false);
+  return product(w, type, x, false, false);
+}
+
+// x [T, K] rounded row by row as ggml rounds a product's activations for weights of `type`, as
+// floats (d * q): the many-row products multiply these by the decoded weights.
+torch::Tensor round_activations(const torch::Tensor& x_in, int64_t type) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2, "x: expected a 2-D CPU tensor [rows, K]");
+  const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
+  const int64_t T = x.size(0), K = x.size(1);
+  auto y = torch::empty({T, K}, torch::kFloat32);
+  const float* X = x.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  format_of(type);  // an unknown type is an error before any work
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    Act a;
+    for (int64_t t = begin; t < end; ++t) {
+      quantize_act(X + t * K, K, type, a);
+      std::memcpy(Y + t * K, a.xt.data(), K * 4);
+    }
+  });
+  return y;
 }
 
 // W [N, K] decoded with the same decoders the products use (bit-identical to gguf-py) into out
@@ -578,7 +931,8 @@ bool is_gelu(const std::string& act) {
 // on the wave it runs in or on the thread count.
 torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor>& gates,
                       const std::vector<torch::Tensor>& ups, const std::vector<torch::Tensor>& downs,
-                      int64_t gate_type, int64_t up_type, int64_t down_type, const std::string& act) {
+                      int64_t gate_type, int64_t up_type, int64_t down_type, const std::string& act,
+                      bool act8) {
   const bool gelu = is_gelu(act);
   const torch::Tensor x = as_f32(x_in);
   TORCH_CHECK(gates.size() == ups.size() && ups.size() == downs.size(),
@@ -603,10 +957,23 @@ torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor
   const int64_t gstride = gates[0].size(1), ustride = ups[0].size(1), dstride = downs[0].size(1);
   const float* X = x.data_ptr<float>();
   std::vector<float> gu(n * 2 * I), h(n * I);
+  // act8: x rounded once for each of gate's and up's partner formats, h once per expert for down's.
+  Act ag, au;
+  std::vector<Act> ah(act8 ? n : 0);
+  const ActDot ig = act8 ? act_dot_of(gate_type) : ActDot{}, iu = act8 ? act_dot_of(up_type) : ActDot{},
+               id = act8 ? act_dot_of(down_type) : ActDot{};
+  if (act8) {
+    quantize_act(X, D, gate_type, ag);
+    quantize_act(X, D, up_type, au);
+  }
   at::parallel_for(0, n * 2 * I, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t e = r / (2 * I), i = r % (2 * I);
-      gu[r] = i < I ? row_dot(fg, G[e] + i * gstride, X, D) : row_dot(fu, U[e] + (i - I) * ustride, X, D);
+      if (act8)
+        gu[r] = i < I ? row_dot_act(fg, ig, G[e] + i * gstride, ag, D)
+                      : row_dot_act(fu, iu, U[e] + (i - I) * ustride, au, D);
+      else
+        gu[r] = i < I ? row_dot(fg, G[e] + i * gstride, X, D) : row_dot(fu, U[e] + (i - I) * ustride, X, D);
     }
   });
   at::parallel_for(0, n * I, 256, [&](int64_t begin, int64_t end) {
@@ -616,11 +983,16 @@ torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor
       h[r] = gelu ? gelu_tanh(g) * u : g / (1.f + std::exp(-g)) * u;
     }
   });
+  if (act8)
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t e = begin; e < end; ++e) quantize_act(h.data() + e * I, I, down_type, ah[e]);
+    });
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, n * D, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t e = r / D, i = r % D;
-      Y[r] = row_dot(fd, Dn[e] + i * dstride, h.data() + e * I, I);
+      Y[r] = act8 ? row_dot_act(fd, id, Dn[e] + i * dstride, ah[e], I)
+                  : row_dot(fd, Dn[e] + i * dstride, h.data() + e * I, I);
     }
   });
   return y;
@@ -636,8 +1008,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("isa") = "portable";
 #endif
-  m.def("gemv", &gemv, "y [N] = W x, W raw ggml rows [N, row bytes] of a type, x [K] fp32/bf16; fp32",
+  m.def("gemv", &gemv, "y [N] = W x, W raw ggml rows [N, row bytes] of a type, x [K] fp32/bf16; fp32; act8 "
+        "rounds x as ggml's CPU products do", py::arg("w"), py::arg("qtype"), py::arg("x"), py::arg("act8") = false,
         py::call_guard<py::gil_scoped_release>());
+  m.def("round_activations", &round_activations, "x [T, K] rounded per row as ggml rounds activations for weights "
+        "of a type (fp32 d * q)", py::call_guard<py::gil_scoped_release>());
   m.def("gemv_decoded", &gemv_decoded, "gemv through the plain block decoders: equal to gemv bit for bit",
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_into", &dequantize_into, "raw ggml rows [N, row bytes] of a type -> out [N, K], fp32 or bf16",
@@ -646,6 +1021,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("experts", &experts, "a wave of gated experts (silu or gelu_pytorch_tanh) on one token from raw ggml rows: "
         "fp32 [n, D]", py::arg("x"), py::arg("gates"), py::arg("ups"), py::arg("downs"), py::arg("gate_type"),
-        py::arg("up_type"), py::arg("down_type"), py::arg("act") = "silu",
+        py::arg("up_type"), py::arg("down_type"), py::arg("act") = "silu", py::arg("act8") = false,
         py::call_guard<py::gil_scoped_release>());
 }

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.storage import QuantTensor, Storage, is_quantized, nbytes, storage_name
+from ..checkpoint.storage import QuantTensor, RowParts, Storage, is_quantized, nbytes, storage_name
 
 SLOT_ALIGN_BYTES = 256
 
-Weight = torch.Tensor | QuantTensor
+Weight = torch.Tensor | QuantTensor | RowParts
 
 
 @dataclass(frozen=True, slots=True)

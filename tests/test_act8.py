@@ -1,0 +1,249 @@
+"""8-bit activations (`act8`), llama.cpp's CPU numerics: the row is rounded to the weight type's
+partner format exactly as ggml's rules say (checked against an independent numpy rounding), and
+each product is then the rounded row times the exactly decoded weights (float64 reference); the
+vector and the plain builds give the same bits; an expert wave is its one-row products."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as Q
+
+from expertcache.kernels.quant_native import NATIVE_TYPES, load_quant_native
+from gguf_blocks import llama_cpp_tensors, random_rows
+from conftest import with_threads
+
+TYPES = [t.name for t in NATIVE_TYPES]
+Q8_0_PARTNERS = {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL}
+
+
+@pytest.fixture(scope="module", params=["isa", "portable"])
+def native(request):
+    return load_quant_native(portable=request.param == "portable")
+
+
+def rounded_reference(x: np.ndarray, qtype: Q) -> np.ndarray:
+    """x [T, K] float32 rounded as ggml rounds a product's activations for weights of `qtype`."""
+    x = x.astype(np.float32)
+    if qtype == Q.F32:
+        return x
+    if qtype == Q.F16:
+        return x.astype(np.float16).astype(np.float32)
+    if qtype == Q.BF16:
+        return torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    if qtype in Q8_0_PARTNERS:  # blocks of 32: scale max|x| / 127 kept as fp16, x * 127 / max|x| to nearest even
+        b = x.reshape(x.shape[0], -1, 32)
+        amax = np.abs(b).max(-1, keepdims=True)
+        d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+        with np.errstate(divide="ignore"):
+            inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        q = np.rint(b * inv) + np.float32(0)  # integers: no negative zero
+        return (d * q).astype(np.float32).reshape(x.shape)
+    # Q8_K, blocks of 256: the first value of largest magnitude maps to -127, ties to even, at most 127
+    b = x.reshape(x.shape[0], -1, 256)
+    idx = np.abs(b).argmax(-1)[..., None]
+    mx = np.take_along_axis(b, idx, -1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = np.float32(-127) / mx
+        q = np.minimum(127, np.rint(b * iscale)) + np.float32(0)
+        d = np.float32(1) / iscale
+    out = np.where(mx == 0, np.float32(0), d * q).astype(np.float32)
+    return out.reshape(x.shape)
+
+
+def cols_for(qtype: Q, blocks: int) -> int:
+    size = gguf.constants.GGML_QUANT_SIZES[qtype][0]
+    return size * blocks if size > 1 else 32 * blocks + 5
+
+
+def weights(qtype: Q, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    raw = random_rows(qtype, rows, cols, seed, lo=-14, hi=-4)
+    return torch.from_numpy(raw), torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qtype)))
+
+
+def vector(n: int, seed: int) -> torch.Tensor:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    x[::7] *= 30  # outliers, as real activations have: the rounding is relative to each block's largest
+    return x
+
+
+def assert_close_to(y: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, rel: float = 1e-5) -> None:
+    """y is w xt summed in fp32: within rel of the row's sum of |w||xt| of the float64 product."""
+    exact = w.double() @ xt.double()
+    slack = rel * (w.double().abs() @ xt.double().abs()) + 1e-30
+    assert ((y.double() - exact).abs() <= slack).all(), ((y.double() - exact).abs() / slack).max()
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_the_row_is_rounded_by_ggmls_rules(native, name):
+    qtype = Q[name]
+    cols = cols_for(qtype, 4) if qtype not in Q8_0_PARTNERS else 32 * 9
+    x = torch.stack([vector(cols, seed=s) for s in range(5)])
+    x[1] = 0.0                  # an all-zero row: zeros, no division by zero
+    x[2, :40] = 0.0             # a zero block inside a row
+    x[3] = -x[3].abs()          # the largest value negative
+    got = native.round_activations(x, qtype)
+    want = torch.from_numpy(rounded_reference(x.numpy(), qtype))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    if qtype not in (Q.F32, Q.F16, Q.BF16):
+        assert not torch.equal(got, x)  # it did round
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows,blocks", [(1, 1), (37, 2), (130, 8)])
+def test_act8_gemv_is_the_rounded_row_times_the_decoded_weights(native, name, rows, blocks):
+    qtype = Q[name]
+    cols = cols_for(qtype, blocks)
+    raw, w = weights(qtype, rows, cols, seed=rows + blocks)
+    x = vector(cols, seed=blocks)
+    xt = native.round_activations(x[None], qtype)[0]
+    y = native.gemv(raw, qtype, x, act8=True)
+    assert_close_to(y, w, xt)
+    # and it is not the exact product: the rounding is real
+    if qtype not in (Q.F32,):
+        assert not torch.equal(y, native.gemv(raw, qtype, x))
+
+
+def test_the_vector_and_the_plain_build_give_the_same_bits():
+    isa, plain = load_quant_native(), load_quant_native(portable=True)
+    for name in TYPES:
+        qtype = Q[name]
+        cols = cols_for(qtype, 4)
+        raw, _ = weights(qtype, 40, cols, seed=11)
+        x = vector(cols, seed=12)
+        a, b = isa.gemv(raw, qtype, x, act8=True), plain.gemv(raw, qtype, x, act8=True)
+        if qtype in (Q.F32, Q.F16, Q.BF16, Q.Q2_K, Q.Q3_K, Q.Q4_1, Q.Q5_1, Q.IQ4_XS):
+            continue  # float lanes (no integer kernel): the builds sum in another order, as without act8
+        assert torch.equal(a, b), name
+
+
+def test_llama_cpp_quantized_tensors_with_act8():
+    native = load_quant_native()
+    for name, qtype, shape, raw in llama_cpp_tensors():
+        if len(shape) < 2 or shape[-1] % 32:
+            continue
+        want = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qtype))).reshape(-1, shape[-1])
+        rows = torch.from_numpy(raw)[: shape[-2]]
+        x = vector(shape[-1], seed=len(name))
+        if qtype not in (Q.F32, Q.F16, Q.BF16) and shape[-1] % 256 and qtype not in Q8_0_PARTNERS:
+            continue
+        xt = native.round_activations(x[None], qtype)[0]
+        assert_close_to(native.gemv(rows, qtype, x, act8=True), want[: shape[-2]], xt)
+
+
+D, I = 512, 256
+WAVE_TYPES = [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q5_0", "Q5_K"), ("IQ4_XS", "Q4_0", "BF16")]
+
+
+@pytest.mark.parametrize("types", WAVE_TYPES, ids=["-".join(t) for t in WAVE_TYPES])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_an_act8_wave_is_its_one_row_products(native, types, act):
+    qtypes = [Q[t] for t in types]
+    n = 5
+    G = [weights(qtypes[0], I, D, seed=10 + e)[0] for e in range(n)]
+    U = [weights(qtypes[1], I, D, seed=40 + e)[0] for e in range(n)]
+    Dn = [weights(qtypes[2], D, I, seed=70 + e)[0] for e in range(n)]
+    x = vector(D, seed=1)
+    y = native.experts(x, G, U, Dn, *qtypes, act, act8=True)
+    f = torch.nn.functional.silu if act == "silu" else (lambda v: torch.nn.functional.gelu(v, approximate="tanh"))
+    for e in range(n):
+        h = f(native.gemv(G[e], qtypes[0], x, act8=True)) * native.gemv(U[e], qtypes[1], x, act8=True)
+        want = native.gemv(Dn[e], qtypes[2], h, act8=True)
+        torch.testing.assert_close(y[e], want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    # the same in any wave and at any thread count
+    assert torch.equal(native.experts(x, G[2:3], U[2:3], Dn[2:3], *qtypes, act, act8=True)[0], y[2])
+    assert torch.equal(with_threads(1, lambda: native.experts(x, G, U, Dn, *qtypes, act, act8=True)),
+                       with_threads(2, lambda: native.experts(x, G, U, Dn, *qtypes, act, act8=True)))
+
+
+def test_a_row_that_is_not_whole_blocks_is_an_error(native):
+    raw, _ = weights(Q.Q4_K, 4, 512, seed=0)
+    with pytest.raises(RuntimeError, match="not a whole number of Q8_K blocks of 256"):
+        native.round_activations(torch.ones(2, 300), Q.Q4_K)
+    with pytest.raises(RuntimeError, match="not a whole number of Q8_0 blocks of 32"):
+        native.round_activations(torch.ones(2, 40), Q.Q8_0)
+    with pytest.raises(RuntimeError, match="ggml type 9 has no native kernel"):
+        native.round_activations(torch.ones(2, 64), Q.Q8_1)
+
+
+# ---- whole models: llama.cpp's numerics, and the dense matrices kept as the file's blocks ----
+
+from pathlib import Path  # noqa: E402
+
+import expertcache  # noqa: E402
+from expertcache import CacheConfig  # noqa: E402
+from expertcache.checkpoint.storage import QuantTensor, RowParts  # noqa: E402
+from gguf_recordings import llama_logits, record  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
+
+
+# Every product of these files has an integer kernel and every matrix is Q8_0 or F32: with the
+# activations rounded as ggml rounds them, the only difference left from llama.cpp is the order
+# of fp32 sums (1.7e-7 to 3.1e-7 seen), where exact activations are 1e-2 to 8e-2 away. Mixtral's
+# q/k rows are reordered on the blocks (the converter's rotary permutation undone), Qwen3.5's
+# DeltaNet projections and shared expert are blocks too.
+@pytest.mark.parametrize("name", ["olmoe-Q8_0", "mixtral-Q8_0", "qwen3_5_moe/qwen3_5_moe-Q8_0"])
+def test_q8_activations_give_llama_cpps_logits(name):
+    fixtures, stem = (FIXTURES / name).parent, Path(name).name
+    rec, want = record(fixtures, stem), llama_logits(fixtures, stem)
+    path = fixtures / f"{stem}.gguf"
+    q8 = expertcache.load(path, dtype="float32", activations="q8")
+    got = q8.logits(rec["prompt"]["tokens"])
+    rel = float((got - want).abs().max() / want.abs().max())
+    assert rel < 2e-6, rel
+    exact = expertcache.load(path, dtype="float32").logits(rec["prompt"]["tokens"])
+    assert float((exact - want).abs().max() / want.abs().max()) > 1e-3  # the rounding is what closes it
+
+
+def test_dense_matrices_stay_blocks_only_where_the_kernels_multiply_blocks():
+    path = FIXTURES / "qwen3_moe-mix.gguf"  # q/k/v of one layer in three types, another's in two quantized + F16
+    native = expertcache.load(path, dtype="bfloat16", kernels="native")
+    w = native.net.weights
+    assert isinstance(w.lm_head, QuantTensor) and w.lm_head.qtype == Q.Q5_K
+    assert isinstance(w.embed, QuantTensor) and w.embed.qtype == Q.IQ4_XS
+    qkv0, qkv1 = w.layers[0].attn.qkv, w.layers[1].attn.qkv
+    assert isinstance(qkv0, RowParts) and [p.qtype for p in qkv0.parts] == [Q.Q8_0, Q.Q4_0, Q.Q5_0]
+    assert isinstance(qkv1, RowParts) and isinstance(qkv1.parts[2], torch.Tensor)  # F16 stays a float matrix
+    assert isinstance(w.layers[0].attn.o, QuantTensor) and not isinstance(w.layers[0].router, QuantTensor)
+    reference = expertcache.load(path, dtype="float32")  # the exact path dequantizes at load
+    assert all(isinstance(t, torch.Tensor) for t in (reference.net.weights.lm_head, reference.net.weights.embed,
+                                                    reference.net.weights.layers[0].attn.qkv))
+    # blocks: less memory than bf16, and the embedding rows are the exactly decoded ones
+    assert w.lm_head.nbytes < reference.net.weights.lm_head.numel() * 2
+    ids = torch.tensor([3, 17, 250])
+    assert torch.equal(native.net.embed(ids), reference.net.embed(ids).to(torch.bfloat16))
+    # exact activations over blocks: the products of the decoded weights, one row and many
+    exact_native = expertcache.load(path, dtype="bfloat16", kernels="native", activations="exact")
+    tokens = record(FIXTURES, "qwen3_moe-mix")["prompt"]["tokens"]
+    got = exact_native.logits(tokens).float()
+    torch_bf16 = expertcache.load(path, dtype="bfloat16", kernels="torch").logits(tokens).float()
+    assert float((got - torch_bf16).abs().max() / torch_bf16.abs().max()) < 0.05
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_q8_results_do_not_depend_on_the_cache(dtype):
+    path = FIXTURES / "qwen2_moe-Q4_K_M.gguf"
+    ids = record(FIXTURES, "qwen2_moe-Q4_K_M")["heldout"]["tokens"][:40]
+
+    def run(cache):
+        m = expertcache.load(path, dtype=dtype, activations="q8", cache=cache)
+        s = m.new_session()
+        out = [m.prefill(s, ids[:24], ubatch=8, all_logits=True)] + [m.prefill(s, [t], all_logits=True) for t in ids[24:]]
+        return torch.cat(out), m.telemetry()
+
+    want, _ = run(CacheConfig(mode="resident"))
+    for cache in (CacheConfig(mode="cache", experts=1), CacheConfig(mode="cache", fraction=0.5, store="disk", policy="lfu"),
+                  CacheConfig(mode="staging", store="mmap")):
+        got, tel = run(cache)
+        assert torch.equal(got, want), cache
+        assert tel["total"]["copied_experts"] > 0
+
+
+def test_bad_activation_choices_are_one_line_errors():
+    from expertcache.errors import ExpertCacheError
+
+    with pytest.raises(ExpertCacheError, match="activations 'q4' is not one of auto, exact, q8"):
+        expertcache.load(FIXTURES / "olmoe-Q8_0.gguf", activations="q4")
