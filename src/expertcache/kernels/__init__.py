@@ -41,8 +41,9 @@ from ..errors import ExpertCacheError
 
 KERNELS = ("auto", "torch", "native")
 # How the activations of products with quantized weights are taken: as they are (exact), or
-# rounded to 8 bits per block first (q8), as llama.cpp's CPU products do; auto is q8 where the
-# native quantized kernels run a decode step (a quantized model in bf16 on the CPU).
+# rounded to 8 bits per block first (q8), as llama.cpp's CPU products do; auto is q8 for the
+# one-row products of a decode step where the native kernels run a quantized model (bf16 on the
+# CPU), and exact elsewhere (`select`).
 ACTIVATIONS_CHOICES = ("auto", "exact", "q8")
 SOURCE = Path(__file__).parent.parent / "native" / "decode.cpp"
 
@@ -142,7 +143,11 @@ def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bo
             print(f"expertcache: {e}; using torch's kernels (--kernels torch to choose them)", file=sys.stderr,
                   flush=True)
             chosen = TorchKernels()
+    # auto: a decode step's one-row products take the integer kernels (2-4x faster than decoding
+    # each weight to fp32); prefill's many-row products multiply the exact rows by the weights
+    # decoded to bf16 (a bf16 GEMM is 2.6x an fp32 one where the CPU has bf16 instructions).
     chosen.act8 = quantized and (activations == "q8" or (activations == "auto" and isinstance(chosen, NativeKernels)))
+    chosen.act8_rows = quantized and activations == "q8"
     if chosen.act8:
         chosen.quant  # noqa: B018 (the rounding is native on either kernel set: built now)
     return chosen
@@ -205,6 +210,7 @@ class Kernels:
     native: ModuleType | None = None
     # Products with quantized weights round their activations to 8 bits first (`select`).
     act8 = False
+    act8_rows = False  # the same for products of more than one row
     _quant: ModuleType | None = None
 
     @property
@@ -232,7 +238,8 @@ class Kernels:
     def linear_blocks(self, x: torch.Tensor, w: QuantTensor | RowParts, b: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] @ w^T for w the file's blocks: one row straight from the blocks (native), more
         rows against the weights decoded a block of rows at a time (a bounded temporary). With
-        act8 the rows are rounded as llama.cpp rounds them and multiplied in fp32."""
+        act8 (one row) or act8_rows (more) the rows are rounded as llama.cpp rounds them, and more
+        rows are then multiplied in fp32."""
         if isinstance(w, RowParts):
             ends = torch.tensor([p.shape[0] for p in w.parts]).cumsum(0).tolist()
             return torch.cat([self.linear(x, p, None if b is None else b[e - p.shape[0]:e])
@@ -241,8 +248,8 @@ class Kernels:
         if T == 1:
             y = self.quant.gemv(w.raw, int(w.qtype), x[0].contiguous(), self.act8).to(x.dtype)  # [N]
             return (y if b is None else y + b)[None]
-        dtype = torch.float32 if self.act8 else x.dtype
-        xin = self.quant.round_activations(x, int(w.qtype)) if self.act8 else x
+        dtype = torch.float32 if self.act8_rows else x.dtype
+        xin = self.quant.round_activations(x, int(w.qtype)) if self.act8_rows else x
         out = torch.empty((T, N), dtype=x.dtype, device=x.device)
         step = max(1, WIDE_BLOCK_BYTES // (4 * K))
         for a in range(0, N, step):
@@ -297,7 +304,7 @@ class Kernels:
         matrices are dequantized exactly (to fp32, then the compute dtype) before the product."""
         if isinstance(w.gate_up, torch.Tensor) and isinstance(w.down, torch.Tensor):
             return self.swiglu(x, w.gate_up, w.down, act)
-        if self.act8:
+        if self.act8_rows or (self.act8 and x.shape[0] == 1):
             return self._expert_act8(x, w, act)
         gate_up = torch.cat((self.dense(w.gate, x.dtype), self.dense(w.up, x.dtype)))  # [2I, D]
         return self.swiglu(x, gate_up, self.dense(w.down, x.dtype), act)
