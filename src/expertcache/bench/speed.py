@@ -95,6 +95,14 @@ def weight_bytes_per_token(model) -> dict:
             "weights": _weights_per_token(model)}
 
 
+def _activations(model) -> str:
+    """How the model's quantized products take their input (`--activations`), in words."""
+    k = model.kernels if model is not None else None
+    if k is None or not k.act8:
+        return "exact"
+    return "q8" if k.act8_rows else "q8 decode, exact prefill"
+
+
 def _weights_per_token(model) -> int:
     """Weights one token multiplies, the LM head left out: every dense matrix of the layers and
     top-k experts of 3 x hidden x expert width each."""
@@ -331,7 +339,7 @@ def run(args) -> dict:
             gc.collect()
         results.append(row)
     out = {"bench": "speed", "model": str(args.model), "threads": args.threads, "pairs": args.pairs,
-           "kernels": args.kernels, "activations": "q8" if resident is not None and resident.kernels.act8 else "exact",
+           "kernels": args.kernels, "activations": _activations(resident),
            "machine": machine, "results": results}
     if args.vs_llamacpp:
         out["llamacpp"] = side_by_side(resident, args.vs_llamacpp, args.threads, prompt, args.decode, args.prefill,

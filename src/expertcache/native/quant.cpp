@@ -553,9 +553,6 @@ void quantize_act(const float* x, int64_t K, int64_t type, Act& a) {
   }
 }
 
-// Integer dot products of one weight block with its rounded activations (block index `i`):
-// each returns the block's contribution in fp32.
-using IntDot = float (*)(const uint8_t*, const Act&, int64_t);
 
 #if defined(EXPERTCACHE_AVX2)
 inline int32_t hsum_i32(__m256i v) {
@@ -590,6 +587,9 @@ struct Acc8 {
   }
 #else
   float l[8] = {0};
+  void add_ints(const int32_t* sums, float scale) {
+    for (int j = 0; j < 8; ++j) l[j] += scale * static_cast<float>(sums[j]);
+  }
   // w: the block's 32 weights as integers
   void add(const int8_t* w, const int8_t* a, float scale) {
     for (int j = 0; j < 8; ++j) {
@@ -668,92 +668,122 @@ float row_dot_32(const uint8_t* row, const Act& a, int64_t K) {
   return acc.sum();
 }
 
-// Q4_K/Q5_K: sum over the 8 sub-blocks of scale_j * (q . a) and of min_j * (sum of a_j).
-template <bool FIVE>
-float idot_q45_k(const uint8_t* b, const Act& a, int64_t i) {
-  const float d = h2f(b), dmin = h2f(b + 2);
-  const uint8_t *qh = b + 16, *qs = b + (FIVE ? 48 : 16);
-  const int8_t* aq = a.q.data() + i * 256;
-  const int32_t* bs = a.bsum.data() + i * 16;
-  int sc[8], m[8];
-  for (int j = 0; j < 8; ++j) k_scale(b + 4, j, sc[j], m[j]);
-  int32_t sumi = 0, summ = 0;
-#if defined(EXPERTCACHE_AVX2)
-  const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
-  const __m256i hb = FIVE ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
-  __m256i acc = _mm256_setzero_si256();
-  for (int p = 0; p < 4; ++p) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 32));
-    __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-    if (FIVE) {
-      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p)), one), 4));
-      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p + 1)), one), 4));
-    }
-    const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + p * 64));
-    const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + p * 64 + 32));
-    const __m256i s0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), _mm256_set1_epi16(static_cast<int16_t>(sc[2 * p])));
-    const __m256i s1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), _mm256_set1_epi16(static_cast<int16_t>(sc[2 * p + 1])));
-    acc = _mm256_add_epi32(acc, _mm256_add_epi32(s0, s1));
-  }
-  sumi = hsum_i32(acc);
-#else
-  for (int j = 0; j < 8; ++j) {
-    const uint8_t* q = qs + (j / 2) * 32;
-    const int shift = (j % 2) * 4;
-    int32_t s = 0;
-    for (int l = 0; l < 32; ++l) {
-      int v = (q[l] >> shift) & 15;
-      if (FIVE) v |= ((qh[l] >> j) & 1) << 4;
-      s += v * aq[j * 32 + l];
-    }
-    sumi += sc[j] * s;
-  }
-#endif
-  for (int j = 0; j < 8; ++j) summ += m[j] * (bs[2 * j] + bs[2 * j + 1]);
-  return (a.d[i] * d) * static_cast<float>(sumi) - (a.d[i] * dmin) * static_cast<float>(summ);
+// The 256-weight K-quants: each super-block gives eight exact int32 sums (lane j over bytes
+// 4j..4j+3 of each 32-byte run of the block, each run's sums times its sub-block's scale), which
+// are scaled by the block's two scales and added into eight fp32 lanes; the terms of the minimum
+// (Q4_K/Q5_K) or of the offset 32 (Q6_K) go into one more fp32 sum. As for the 32-weight types,
+// the plain build forms the same integers and takes the same float steps.
+struct AccK {
+  Acc8 lanes;
+  float rest = 0.f;
+  float sum() const { return lanes.sum() - rest; }
+};
+
+// The six-bit scales and minimums of a Q4_K/Q5_K block's twelve scale bytes (`k_scale`'s layout,
+// four at a time).
+inline void k_scales(const uint8_t* s, uint8_t sc[8], uint8_t m[8]) {
+  uint32_t w[3];
+  std::memcpy(w, s, 12);
+  const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
+  const uint32_t out[4] = {w[0] & lo6, (w[2] & lo4) | (((w[0] >> 6) & lo2) << 4), w[1] & lo6,
+                           ((w[2] >> 4) & lo4) | (((w[1] >> 6) & lo2) << 4)};
+  std::memcpy(sc, out, 8);
+  std::memcpy(m, out + 2, 8);
 }
 
-// Q6_K: sum over the 16 sub-blocks of scale_j * ((q - 32) . a), the 32 taken out through the sums of a.
-float idot_q6_k(const uint8_t* b, const Act& a, int64_t i) {
-  const uint8_t *ql = b, *qh = b + 128;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = h2f(b + 208);
-  const int8_t* aq = a.q.data() + i * 256;
-  const int32_t* bs = a.bsum.data() + i * 16;
-  int32_t sumi = 0, off = 0;
+template <bool FIVE>
+float row_dot_q45_k(const uint8_t* row, const Act& a, int64_t K) {
+  constexpr int BYTES = FIVE ? 176 : 144;
+  AccK acc;
+  for (int64_t i = 0, nb = K / 256; i < nb; ++i) {
+    const uint8_t* b = row + i * BYTES;
+    const float d = h2f(b), dmin = h2f(b + 2);
+    const uint8_t *qh = b + 16, *qs = b + (FIVE ? 48 : 16);
+    const int8_t* aq = a.q.data() + i * 256;
+    const int32_t* bs = a.bsum.data() + i * 16;
+    alignas(8) uint8_t sc[8], m[8];
+    k_scales(b + 4, sc, m);
+    int32_t summ = 0;
+    for (int j = 0; j < 8; ++j) summ += m[j] * (bs[2 * j] + bs[2 * j + 1]);
 #if defined(EXPERTCACHE_AVX2)
-  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
-  __m256i acc = _mm256_setzero_si256();
-  for (int h = 0; h < 2; ++h) {
-    const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + h * 32));
-    for (int s = 0; s < 4; ++s) {
-      __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + h * 64 + (s % 2) * 32));
-      lo = s < 2 ? _mm256_and_si256(lo, m4) : _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
-      const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * s)), m2);
-      const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63
-      const int w = h * 128 + s * 32;
-      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + w));
-      const __m256i scv = _mm256_setr_m128i(_mm_set1_epi16(sc[w / 16]), _mm_set1_epi16(sc[w / 16 + 1]));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, av), scv));
-    }
-  }
-  sumi = hsum_i32(acc);
-#else
-  for (int h = 0; h < 2; ++h)
-    for (int s = 0; s < 4; ++s)
-      for (int g = 0; g < 2; ++g) {
-        const int w = h * 128 + s * 32 + g * 16;
-        const uint8_t *lo = ql + h * 64 + (s % 2) * 32 + g * 16, *hi = qh + h * 32 + g * 16;
-        int32_t t = 0;
-        for (int l = 0; l < 16; ++l) {
-          const int q = ((lo[l] >> (4 * (s / 2))) & 15) | (((hi[l] >> (2 * s)) & 3) << 4);
-          t += q * aq[w + l];
-        }
-        sumi += sc[w / 16] * t;
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const __m256i hb = FIVE ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
+    __m256i sum = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 32));
+      __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+      if (FIVE) {
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p)), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p + 1)), one), 4));
       }
+      const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + p * 64));
+      const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + p * 64 + 32));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), _mm256_set1_epi16(sc[2 * p])));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), _mm256_set1_epi16(sc[2 * p + 1])));
+    }
+    acc.lanes.add(sum, a.d[i] * d);
+#else
+    int32_t sum[8] = {0};
+    for (int j = 0; j < 8; ++j) {  // sub-block j: 32 weights, bytes (j/2)*32.. of qs
+      const uint8_t* q = qs + (j / 2) * 32;
+      const int shift = (j % 2) * 4;
+      for (int l = 0; l < 32; ++l) {
+        int v = (q[l] >> shift) & 15;
+        if (FIVE) v |= ((qh[l] >> j) & 1) << 4;
+        sum[l / 4] += sc[j] * v * aq[j * 32 + l];
+      }
+    }
+    acc.lanes.add_ints(sum, a.d[i] * d);
 #endif
-  for (int j = 0; j < 16; ++j) off += sc[j] * bs[j];
-  return (a.d[i] * d) * static_cast<float>(sumi - 32 * off);
+    acc.rest += (a.d[i] * dmin) * static_cast<float>(summ);
+  }
+  return acc.sum();
+}
+
+// Q6_K: sixteen sub-blocks of 16 with signed scales; q - 32 with the 32 taken out through the
+// sums of a.
+float row_dot_q6_k(const uint8_t* row, const Act& a, int64_t K) {
+  AccK acc;
+  for (int64_t i = 0, nb = K / 256; i < nb; ++i) {
+    const uint8_t* b = row + i * 210;
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = h2f(b + 208);
+    const int8_t* aq = a.q.data() + i * 256;
+    const int32_t* bs = a.bsum.data() + i * 16;
+    int32_t off = 0;
+    for (int j = 0; j < 16; ++j) off += sc[j] * bs[j];
+#if defined(EXPERTCACHE_AVX2)
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+    __m256i sum = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + h * 32));
+      for (int s = 0; s < 4; ++s) {
+        __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + h * 64 + (s % 2) * 32));
+        lo = s < 2 ? _mm256_and_si256(lo, m4) : _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * s)), m2);
+        const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63
+        const int w = h * 128 + s * 32;
+        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + w));
+        const __m256i scv = _mm256_setr_m128i(_mm_set1_epi16(sc[w / 16]), _mm_set1_epi16(sc[w / 16 + 1]));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q, av), scv));
+      }
+    }
+    acc.lanes.add(sum, a.d[i] * d);
+#else
+    int32_t sum[8] = {0};
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 4; ++s)
+        for (int l = 0; l < 32; ++l) {  // the run of 32 weights w .. w + 31
+          const int w = h * 128 + s * 32;
+          const int q = ((ql[h * 64 + (s % 2) * 32 + l] >> (4 * (s / 2))) & 15) | (((qh[h * 32 + l] >> (2 * s)) & 3) << 4);
+          sum[l / 4] += sc[(w + l) / 16] * q * aq[w + l];
+        }
+    acc.lanes.add_ints(sum, a.d[i] * d);
+#endif
+    acc.rest += (a.d[i] * d) * static_cast<float>(32 * off);
+  }
+  return acc.sum();
 }
 
 using RowDot32 = float (*)(const uint8_t*, const Act&, int64_t);
@@ -764,15 +794,6 @@ RowDot32 row_dot_32_of(int64_t type) {
     case Q4_0: return row_dot_32<ints_q4_0, 18>;
     case Q5_0: return row_dot_32<ints_q5_0, 22>;
     case IQ4_NL: return row_dot_32<ints_iq4_nl, 18>;
-    default: return nullptr;
-  }
-}
-
-IntDot int_dot_of(int64_t type) {
-  switch (type) {
-    case Q4_K: return idot_q45_k<false>;
-    case Q5_K: return idot_q45_k<true>;
-    case Q6_K: return idot_q6_k;
     default: return nullptr;
   }
 }
@@ -801,20 +822,20 @@ torch::Tensor as_f32(const torch::Tensor& x) {
 
 // One row with the activations rounded as ggml rounds them (`Act`): integer blocks where the type
 // has them, else the decoded weights times the rounded row.
-struct ActDot {
-  IntDot idot = nullptr;      // 256-weight blocks: one call per block
-  RowDot32 row32 = nullptr;   // 32-weight blocks: the whole row
-};
+// The integer row product of a type, or nullptr (the decoded weights times the rounded row).
+using ActDot = RowDot32;
 
-ActDot act_dot_of(int64_t type) { return {int_dot_of(type), row_dot_32_of(type)}; }
+ActDot act_dot_of(int64_t type) {
+  switch (type) {
+    case Q4_K: return row_dot_q45_k<false>;
+    case Q5_K: return row_dot_q45_k<true>;
+    case Q6_K: return row_dot_q6_k;
+    default: return row_dot_32_of(type);
+  }
+}
 
-float row_dot_act(const Format& fmt, const ActDot& ad, const uint8_t* row, const Act& a, int64_t K) {
-  if (ad.row32) return ad.row32(row, a, K);
-  const IntDot idot = ad.idot;
-  if (!idot) return row_dot(fmt, row, a.xt.data(), K);
-  float acc = 0.f;
-  for (int64_t i = 0, nb = K / fmt.block; i < nb; ++i) acc += idot(row + i * fmt.bytes, a, i);
-  return acc;
+float row_dot_act(const Format& fmt, ActDot ad, const uint8_t* row, const Act& a, int64_t K) {
+  return ad ? ad(row, a, K) : row_dot(fmt, row, a.xt.data(), K);
 }
 
 // y [N] = W x: W [N, K] of ggml type `type` as raw rows [N, row bytes], x [K]; fp32.
@@ -831,7 +852,7 @@ torch::Tensor product(const torch::Tensor& w, int64_t type, const torch::Tensor&
   const float* X = x.data_ptr<float>();
   float* Y = y.data_ptr<float>();
   Act a;
-  const ActDot idot = act8 ? act_dot_of(type) : ActDot{};
+  const ActDot idot = act8 ? act_dot_of(type) : nullptr;
   if (act8) quantize_act(X, K, type, a);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
@@ -960,8 +981,8 @@ torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor
   // act8: x rounded once for each of gate's and up's partner formats, h once per expert for down's.
   Act ag, au;
   std::vector<Act> ah(act8 ? n : 0);
-  const ActDot ig = act8 ? act_dot_of(gate_type) : ActDot{}, iu = act8 ? act_dot_of(up_type) : ActDot{},
-               id = act8 ? act_dot_of(down_type) : ActDot{};
+  const ActDot ig = act8 ? act_dot_of(gate_type) : nullptr, iu = act8 ? act_dot_of(up_type) : nullptr,
+               id = act8 ? act_dot_of(down_type) : nullptr;
   if (act8) {
     quantize_act(X, D, gate_type, ag);
     quantize_act(X, D, up_type, au);
