@@ -106,6 +106,23 @@ def test_act8_gemv_is_the_rounded_row_times_the_decoded_weights(native, name, ro
         assert not torch.equal(y, native.gemv(raw, qtype, x))
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_gemm_act8_rows_are_the_one_row_products(native, name):
+    """Many rows at once (up to four against each decoded block) give each row's one-row product
+    bit for bit, so a token's result does not depend on how many share the product."""
+    qtype = Q[name]
+    cols = cols_for(qtype, 2)
+    raw, _ = weights(qtype, 45, cols, seed=21)
+    for T in (1, 3, 4, 9, 70):
+        x = torch.stack([vector(cols, seed=100 + t) for t in range(T)])
+        y = native.gemm_act8(raw, qtype, x)
+        assert y.shape == (T, 45) and y.dtype == torch.float32
+        for t in (0, T // 2, T - 1):
+            assert torch.equal(y[t], native.gemv(raw, qtype, x[t], act8=True)), (name, T, t)
+    assert torch.equal(with_threads(1, lambda: native.gemm_act8(raw, qtype, x)),
+                       with_threads(2, lambda: native.gemm_act8(raw, qtype, x)))
+
+
 def test_the_vector_and_the_plain_build_give_the_same_bits():
     isa, plain = load_quant_native(), load_quant_native(portable=True)
     for name in TYPES:
@@ -114,6 +131,9 @@ def test_the_vector_and_the_plain_build_give_the_same_bits():
         raw, _ = weights(qtype, 40, cols, seed=11)
         x = vector(cols, seed=12)
         a, b = isa.gemv(raw, qtype, x, act8=True), plain.gemv(raw, qtype, x, act8=True)
+        xs = torch.stack([x, -x, 2 * x, x.flip(0)])
+        assert torch.equal(isa.gemm_act8(raw, qtype, xs), plain.gemm_act8(raw, qtype, xs)) or \
+            qtype in (Q.F32, Q.F16, Q.BF16, Q.Q2_K, Q.Q3_K, Q.Q4_1, Q.Q5_1, Q.IQ4_XS), name
         if qtype in (Q.F32, Q.F16, Q.BF16, Q.Q2_K, Q.Q3_K, Q.Q4_1, Q.Q5_1, Q.IQ4_XS):
             continue  # float lanes (no integer kernel): the builds sum in another order, as without act8
         assert torch.equal(a, b), name
@@ -180,12 +200,13 @@ from gguf_recordings import llama_logits, record  # noqa: E402
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
 
 
-# Every product of these files has an integer kernel and every matrix is Q8_0 or F32: with the
-# activations rounded as ggml rounds them, the only difference left from llama.cpp is the order
-# of fp32 sums (1.7e-7 to 3.1e-7 seen), where exact activations are 1e-2 to 8e-2 away. Mixtral's
+# Every product of these files has an integer kernel and every matrix is Q8_0, Q5_0 (qwen2_moe's
+# rows of 64 fall back from Q4_K) or F32: with the activations rounded as ggml rounds them, the
+# only difference left from llama.cpp is the order of fp32 sums (1.2e-7 to 1.6e-7 seen), where
+# exact activations are 1e-2 to 8e-2 away. Mixtral's
 # q/k rows are reordered on the blocks (the converter's rotary permutation undone), Qwen3.5's
 # DeltaNet projections and shared expert are blocks too.
-@pytest.mark.parametrize("name", ["olmoe-Q8_0", "mixtral-Q8_0", "qwen3_5_moe/qwen3_5_moe-Q8_0"])
+@pytest.mark.parametrize("name", ["olmoe-Q8_0", "mixtral-Q8_0", "qwen2_moe-Q4_K_M", "qwen3_5_moe/qwen3_5_moe-Q8_0"])
 def test_q8_activations_give_llama_cpps_logits(name):
     fixtures, stem = (FIXTURES / name).parent, Path(name).name
     rec, want = record(fixtures, stem), llama_logits(fixtures, stem)

@@ -238,8 +238,8 @@ class Kernels:
     def linear_blocks(self, x: torch.Tensor, w: QuantTensor | RowParts, b: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] @ w^T for w the file's blocks: one row straight from the blocks (native), more
         rows against the weights decoded a block of rows at a time (a bounded temporary). With
-        act8 (one row) or act8_rows (more) the rows are rounded as llama.cpp rounds them, and more
-        rows are then multiplied in fp32."""
+        act8 (one row) or act8_rows (more) the rows are rounded as llama.cpp rounds them and go
+        through the integer kernels, each row as it would alone."""
         if isinstance(w, RowParts):
             ends = torch.tensor([p.shape[0] for p in w.parts]).cumsum(0).tolist()
             return torch.cat([self.linear(x, p, None if b is None else b[e - p.shape[0]:e])
@@ -248,14 +248,14 @@ class Kernels:
         if T == 1:
             y = self.quant.gemv(w.raw, int(w.qtype), x[0].contiguous(), self.act8).to(x.dtype)  # [N]
             return (y if b is None else y + b)[None]
-        dtype = torch.float32 if self.act8_rows else x.dtype
-        xin = self.quant.round_activations(x, int(w.qtype)) if self.act8_rows else x
+        if self.act8_rows:  # the one-row kernels, several rows against each decoded block
+            y = self.quant.gemm_act8(w.raw, int(w.qtype), x).to(x.dtype)  # [T, N]
+            return y if b is None else y + b
         out = torch.empty((T, N), dtype=x.dtype, device=x.device)
         step = max(1, WIDE_BLOCK_BYTES // (4 * K))
         for a in range(0, N, step):
             e = min(a + step, N)
-            part = self.linear(xin, self.dense(w.rows(a, e), dtype), None if b is None else b[a:e].to(dtype))
-            out[:, a:e] = part
+            out[:, a:e] = self.linear(x, self.dense(w.rows(a, e), x.dtype), None if b is None else b[a:e])
         return out
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -311,10 +311,10 @@ class Kernels:
 
     def _expert_act8(self, x: torch.Tensor, w, act: str) -> torch.Tensor:
         """A quantized expert with its activations rounded to 8 bits (llama.cpp's numerics) on any
-        number of rows: each product is the rounded rows (exact in fp32) times the decoded
-        weights in fp32, the intermediate in fp32, as the native one-row call computes it."""
+        number of rows: the integer kernels of the native one-row call, row by row, the
+        intermediate in fp32, so each row is what that call gives it."""
         def product(v: torch.Tensor, m) -> torch.Tensor:
-            return F.linear(self.quant.round_activations(v, int(m.qtype)), self.dense(m, torch.float32))
+            return self.quant.gemm_act8(m.raw, int(m.qtype), v)  # [T, N] fp32
 
         h = ACTIVATIONS[act](product(x, w.gate)) * product(x, w.up)  # [T, I] fp32
         return product(h, w.down).to(x.dtype)                        # [T, D]

@@ -499,6 +499,7 @@ struct Act {
   std::vector<int8_t> q;       // the rounded row's integers (Q8_0, Q8_K)
   std::vector<float> d;        // one scale per block of 32 (Q8_0) or 256 (Q8_K)
   std::vector<int32_t> bsum;   // Q8_K: the sum of each 16 integers
+  std::vector<int32_t> bsum32; // Q8_K: the sum of each 32
   std::vector<float> xt;       // the rounded row as floats: d * q, or x rounded to fp16/bf16
 };
 
@@ -521,7 +522,10 @@ void quantize_act(const float* x, int64_t K, int64_t type, Act& a) {
               " blocks of ", block);
   a.q.resize(K);
   a.d.resize(K / block);
-  if (a.kind == A_Q8_K) a.bsum.resize(K / 16);
+  if (a.kind == A_Q8_K) {
+    a.bsum.resize(K / 16);
+    a.bsum32.resize(K / 32);
+  }
   for (int64_t b = 0; b < K / block; ++b) {
     const float* xb = x + b * block;
     int8_t* qb = a.q.data() + b * block;
@@ -549,6 +553,7 @@ void quantize_act(const float* x, int64_t K, int64_t type, Act& a) {
         int32_t s = 0;
         for (int i = 0; i < 16; ++i) s += qb[j * 16 + i];
         a.bsum[b * 16 + j] = s;
+        if (j % 2) a.bsum32[b * 8 + j / 2] = a.bsum[b * 16 + j - 1] + s;
       }
   }
 }
@@ -670,13 +675,14 @@ float row_dot_32(const uint8_t* row, const Act& a, int64_t K) {
 
 // The 256-weight K-quants: each super-block gives eight exact int32 sums (lane j over bytes
 // 4j..4j+3 of each 32-byte run of the block, each run's sums times its sub-block's scale), which
-// are scaled by the block's two scales and added into eight fp32 lanes; the terms of the minimum
-// (Q4_K/Q5_K) or of the offset 32 (Q6_K) go into one more fp32 sum. As for the 32-weight types,
-// the plain build forms the same integers and takes the same float steps.
+// are scaled by the block's scale and added into eight fp32 lanes; the terms of the minimums
+// (Q4_K/Q5_K) or of the offset 32 (Q6_K) go into eight more (lane j: sub-block j, or j and j + 8).
+// The plain build forms the same integers and takes the same float steps. A call takes up to
+// four activation rows against one weight row: the block is decoded once, and each row's sums and
+// float steps are exactly those of a call with that row alone.
 struct AccK {
-  Acc8 lanes;
-  float rest = 0.f;
-  float sum() const { return lanes.sum() - rest; }
+  Acc8 lanes, rest;
+  float sum() const { return lanes.sum() - rest.sum(); }
 };
 
 // The six-bit scales and minimums of a Q4_K/Q5_K block's twelve scale bytes (`k_scale`'s layout,
@@ -691,99 +697,171 @@ inline void k_scales(const uint8_t* s, uint8_t sc[8], uint8_t m[8]) {
   std::memcpy(m, out + 2, 8);
 }
 
-template <bool FIVE>
-float row_dot_q45_k(const uint8_t* row, const Act& a, int64_t K) {
+// Eight int32 lanes: x[j] * y[j] (j < 8), or x[j] * y[j] + x[j + 8] * y[j + 8] with `pairs`.
+#if defined(EXPERTCACHE_AVX2)
+inline __m256i lane_products(const int32_t* x, const int32_t* y, bool pairs) {
+  const auto ld = [](const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  __m256i v = _mm256_mullo_epi32(ld(x), ld(y));
+  return pairs ? _mm256_add_epi32(v, _mm256_mullo_epi32(ld(x + 8), ld(y + 8))) : v;
+}
+#else
+inline void lane_products(const int32_t* x, const int32_t* y, bool pairs, int32_t out[8]) {
+  for (int j = 0; j < 8; ++j) out[j] = x[j] * y[j] + (pairs ? x[j + 8] * y[j + 8] : 0);
+}
+#endif
+
+template <bool FIVE, int R>
+void rows_q45_k(const uint8_t* row, const Act* const* a, int64_t K, float* out) {
   constexpr int BYTES = FIVE ? 176 : 144;
-  AccK acc;
+  AccK acc[R];
   for (int64_t i = 0, nb = K / 256; i < nb; ++i) {
     const uint8_t* b = row + i * BYTES;
     const float d = h2f(b), dmin = h2f(b + 2);
     const uint8_t *qh = b + 16, *qs = b + (FIVE ? 48 : 16);
-    const int8_t* aq = a.q.data() + i * 256;
-    const int32_t* bs = a.bsum.data() + i * 16;
-    alignas(8) uint8_t sc[8], m[8];
-    k_scales(b + 4, sc, m);
-    int32_t summ = 0;
-    for (int j = 0; j < 8; ++j) summ += m[j] * (bs[2 * j] + bs[2 * j + 1]);
+    alignas(8) uint8_t sc8[8], m8[8];
+    k_scales(b + 4, sc8, m8);
+    alignas(32) int32_t m[8];
+    for (int j = 0; j < 8; ++j) m[j] = m8[j];
 #if defined(EXPERTCACHE_AVX2)
     const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     const __m256i hb = FIVE ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
-    __m256i sum = _mm256_setzero_si256();
+    __m256i lo[4], hi[4], sc[8];
     for (int p = 0; p < 4; ++p) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 32));
-      __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+      lo[p] = _mm256_and_si256(q, m4);
+      hi[p] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
       if (FIVE) {
-        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p)), one), 4));
-        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p + 1)), one), 4));
+        lo[p] = _mm256_or_si256(lo[p], _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p)), one), 4));
+        hi[p] = _mm256_or_si256(hi[p], _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p + 1)), one), 4));
       }
-      const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + p * 64));
-      const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + p * 64 + 32));
-      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), _mm256_set1_epi16(sc[2 * p])));
-      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), _mm256_set1_epi16(sc[2 * p + 1])));
     }
-    acc.lanes.add(sum, a.d[i] * d);
+    for (int j = 0; j < 8; ++j) sc[j] = _mm256_set1_epi16(sc8[j]);
+    for (int t = 0; t < R; ++t) {
+      const int8_t* aq = a[t]->q.data() + i * 256;
+      __m256i sum = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) {
+        const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + p * 64));
+        const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + p * 64 + 32));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(lo[p], a0), sc[2 * p]));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(hi[p], a1), sc[2 * p + 1]));
+      }
+      const float ad = a[t]->d[i];
+      acc[t].lanes.add(sum, ad * d);
+      acc[t].rest.add(lane_products(m, a[t]->bsum32.data() + i * 8, false), ad * dmin);
+    }
 #else
-    int32_t sum[8] = {0};
-    for (int j = 0; j < 8; ++j) {  // sub-block j: 32 weights, bytes (j/2)*32.. of qs
-      const uint8_t* q = qs + (j / 2) * 32;
-      const int shift = (j % 2) * 4;
-      for (int l = 0; l < 32; ++l) {
-        int v = (q[l] >> shift) & 15;
-        if (FIVE) v |= ((qh[l] >> j) & 1) << 4;
-        sum[l / 4] += sc[j] * v * aq[j * 32 + l];
+    for (int t = 0; t < R; ++t) {
+      const int8_t* aq = a[t]->q.data() + i * 256;
+      int32_t sum[8] = {0}, mins[8];
+      for (int j = 0; j < 8; ++j) {  // sub-block j: 32 weights, bytes (j/2)*32.. of qs
+        const uint8_t* q = qs + (j / 2) * 32;
+        const int shift = (j % 2) * 4;
+        for (int l = 0; l < 32; ++l) {
+          int v = (q[l] >> shift) & 15;
+          if (FIVE) v |= ((qh[l] >> j) & 1) << 4;
+          sum[l / 4] += sc8[j] * v * aq[j * 32 + l];
+        }
       }
+      lane_products(m, a[t]->bsum32.data() + i * 8, false, mins);
+      const float ad = a[t]->d[i];
+      acc[t].lanes.add_ints(sum, ad * d);
+      acc[t].rest.add_ints(mins, ad * dmin);
     }
-    acc.lanes.add_ints(sum, a.d[i] * d);
 #endif
-    acc.rest += (a.d[i] * dmin) * static_cast<float>(summ);
   }
-  return acc.sum();
+  for (int t = 0; t < R; ++t) out[t] = acc[t].sum();
 }
 
-// Q6_K: sixteen sub-blocks of 16 with signed scales; q - 32 with the 32 taken out through the
-// sums of a.
-float row_dot_q6_k(const uint8_t* row, const Act& a, int64_t K) {
-  AccK acc;
+template <int R>
+void rows_q6_k(const uint8_t* row, const Act* const* a, int64_t K, float* out) {
+  AccK acc[R];
   for (int64_t i = 0, nb = K / 256; i < nb; ++i) {
     const uint8_t* b = row + i * 210;
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const float d = h2f(b + 208);
-    const int8_t* aq = a.q.data() + i * 256;
-    const int32_t* bs = a.bsum.data() + i * 16;
-    int32_t off = 0;
-    for (int j = 0; j < 16; ++j) off += sc[j] * bs[j];
+    alignas(32) int32_t sc32[16];
+    for (int j = 0; j < 16; ++j) sc32[j] = 32 * sc[j];
 #if defined(EXPERTCACHE_AVX2)
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
-    __m256i sum = _mm256_setzero_si256();
+    __m256i q[8], scv[8];
     for (int h = 0; h < 2; ++h) {
       const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + h * 32));
       for (int s = 0; s < 4; ++s) {
         __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + h * 64 + (s % 2) * 32));
         lo = s < 2 ? _mm256_and_si256(lo, m4) : _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
         const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * s)), m2);
-        const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63
         const int w = h * 128 + s * 32;
-        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + w));
-        const __m256i scv = _mm256_setr_m128i(_mm_set1_epi16(sc[w / 16]), _mm_set1_epi16(sc[w / 16 + 1]));
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q, av), scv));
+        q[h * 4 + s] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63
+        scv[h * 4 + s] = _mm256_setr_m128i(_mm_set1_epi16(sc[w / 16]), _mm_set1_epi16(sc[w / 16 + 1]));
       }
     }
-    acc.lanes.add(sum, a.d[i] * d);
+    for (int t = 0; t < R; ++t) {
+      const int8_t* aq = a[t]->q.data() + i * 256;
+      __m256i sum = _mm256_setzero_si256();
+      for (int u = 0; u < 8; ++u) {
+        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + u * 32));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[u], av), scv[u]));
+      }
+      const float f = a[t]->d[i] * d;
+      acc[t].lanes.add(sum, f);
+      acc[t].rest.add(lane_products(sc32, a[t]->bsum.data() + i * 16, true), f);
+    }
 #else
-    int32_t sum[8] = {0};
-    for (int h = 0; h < 2; ++h)
-      for (int s = 0; s < 4; ++s)
-        for (int l = 0; l < 32; ++l) {  // the run of 32 weights w .. w + 31
-          const int w = h * 128 + s * 32;
-          const int q = ((ql[h * 64 + (s % 2) * 32 + l] >> (4 * (s / 2))) & 15) | (((qh[h * 32 + l] >> (2 * s)) & 3) << 4);
-          sum[l / 4] += sc[(w + l) / 16] * q * aq[w + l];
-        }
-    acc.lanes.add_ints(sum, a.d[i] * d);
+    for (int t = 0; t < R; ++t) {
+      const int8_t* aq = a[t]->q.data() + i * 256;
+      int32_t sum[8] = {0}, offs[8];
+      for (int h = 0; h < 2; ++h)
+        for (int s = 0; s < 4; ++s)
+          for (int l = 0; l < 32; ++l) {  // the run of 32 weights w .. w + 31
+            const int w = h * 128 + s * 32;
+            const int qv = ((ql[h * 64 + (s % 2) * 32 + l] >> (4 * (s / 2))) & 15) | (((qh[h * 32 + l] >> (2 * s)) & 3) << 4);
+            sum[l / 4] += sc[(w + l) / 16] * qv * aq[w + l];
+          }
+      lane_products(sc32, a[t]->bsum.data() + i * 16, true, offs);
+      const float f = a[t]->d[i] * d;
+      acc[t].lanes.add_ints(sum, f);
+      acc[t].rest.add_ints(offs, f);
+    }
 #endif
-    acc.rest += (a.d[i] * d) * static_cast<float>(32 * off);
   }
-  return acc.sum();
+  for (int t = 0; t < R; ++t) out[t] = acc[t].sum();
+}
+
+// Up to four activation rows against one weight row, for the types with a multi-row kernel.
+using Rows4 = void (*)(const uint8_t*, const Act* const*, int64_t, float*);
+struct RowsOf {
+  Rows4 r[4] = {nullptr, nullptr, nullptr, nullptr};  // for 1, 2, 3, 4 rows
+};
+
+template <template <int> class F>
+RowsOf rows_table() { return {{F<1>::call, F<2>::call, F<3>::call, F<4>::call}}; }
+template <int R> struct Q4K { static void call(const uint8_t* w, const Act* const* a, int64_t K, float* o) { rows_q45_k<false, R>(w, a, K, o); } };
+template <int R> struct Q5K { static void call(const uint8_t* w, const Act* const* a, int64_t K, float* o) { rows_q45_k<true, R>(w, a, K, o); } };
+template <int R> struct Q6K { static void call(const uint8_t* w, const Act* const* a, int64_t K, float* o) { rows_q6_k<R>(w, a, K, o); } };
+
+RowsOf rows_of(int64_t type) {
+  switch (type) {
+    case Q4_K: return rows_table<Q4K>();
+    case Q5_K: return rows_table<Q5K>();
+    case Q6_K: return rows_table<Q6K>();
+    default: return {};
+  }
+}
+
+template <bool FIVE>
+float row_dot_q45_k(const uint8_t* row, const Act& a, int64_t K) {
+  const Act* p = &a;
+  float y;
+  rows_q45_k<FIVE, 1>(row, &p, K, &y);
+  return y;
+}
+
+float row_dot_q6_k(const uint8_t* row, const Act& a, int64_t K) {
+  const Act* p = &a;
+  float y;
+  rows_q6_k<1>(row, &p, K, &y);
+  return y;
 }
 
 using RowDot32 = float (*)(const uint8_t*, const Act&, int64_t);
@@ -867,6 +945,50 @@ torch::Tensor gemv(const torch::Tensor& w, int64_t type, const torch::Tensor& x,
 
 torch::Tensor gemv_decoded(const torch::Tensor& w, int64_t type, const torch::Tensor& x) {
   return product(w, type, x, false, false);
+}
+
+// Y [T, N]: each row of x [T, K] rounded as `gemv(..., act8=true)` rounds it, times W [N, K] of
+// ggml type `type` (raw rows); fp32. Row t of Y equals gemv(w, type, x[t], act8=true) bit for bit:
+// the same kernels, with up to four rows of x taken against one decoded weight block at a time.
+torch::Tensor gemm_act8(const torch::Tensor& w, int64_t type, const torch::Tensor& x_in) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2, "x: expected a 2-D CPU tensor [rows, K]");
+  const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
+  const Format fmt = format_of(type);
+  const int64_t T = x.size(0), K = x.size(1);
+  check_raw(w, fmt, K, "w");
+  const int64_t N = w.size(0), stride = w.size(1);
+  auto y = torch::empty({T, N}, torch::kFloat32);
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  const float* X = x.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  std::vector<Act> acts(T);
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) quantize_act(X + t * K, K, type, acts[t]);
+  });
+  const RowsOf rows = rows_of(type);
+  const ActDot ad = act_dot_of(type);
+  constexpr int64_t TILE = 64;  // activation rows per pass over a chunk of weight rows: they stay in cache
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+      const int64_t t1 = std::min(T, t0 + TILE);
+      for (int64_t r = begin; r < end; ++r) {
+        const uint8_t* row = W + r * stride;
+        if (!rows.r[0]) {
+          for (int64_t t = t0; t < t1; ++t) Y[t * N + r] = row_dot_act(fmt, ad, row, acts[t], K);
+          continue;
+        }
+        for (int64_t t = t0; t < t1; t += 4) {
+          const int n = static_cast<int>(std::min<int64_t>(4, t1 - t));
+          const Act* group[4];
+          float o[4];
+          for (int j = 0; j < n; ++j) group[j] = &acts[t + j];
+          rows.r[n - 1](row, group, K, o);
+          for (int j = 0; j < n; ++j) Y[(t + j) * N + r] = o[j];
+        }
+      }
+    }
+  });
+  return y;
 }
 
 // x [T, K] rounded row by row as ggml rounds a product's activations for weights of `type`, as
@@ -1031,6 +1153,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("gemv", &gemv, "y [N] = W x, W raw ggml rows [N, row bytes] of a type, x [K] fp32/bf16; fp32; act8 "
         "rounds x as ggml's CPU products do", py::arg("w"), py::arg("qtype"), py::arg("x"), py::arg("act8") = false,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_act8", &gemm_act8, "Y [T, N] = rows of x [T, K] rounded as gemv's act8 rounds them, times raw ggml "
+        "rows W [N, row bytes]; fp32; row t equals gemv(w, qtype, x[t], act8=True)",
         py::call_guard<py::gil_scoped_release>());
   m.def("round_activations", &round_activations, "x [T, K] rounded per row as ggml rounds activations for weights "
         "of a type (fp32 d * q)", py::call_guard<py::gil_scoped_release>());
