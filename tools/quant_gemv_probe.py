@@ -5,7 +5,8 @@ Times the native quantized kernels (src/expertcache/native/quant.cpp) against th
 they replace for one row, dequantize (src/expertcache/kernels/dequant.py) then `torch.mv` (and
 against the native `dequantize_into` then `torch.mv`, the CPU prefill path's building block), on
 Qwen3-30B-A3B's expert shapes: gate/up [768, 2048] and down [2048, 768], for Q4_K, Q6_K and Q8_0,
-plus `torch.mv` on the same shapes in bf16 (what a resident bf16 expert costs) and one decode
+and the native kernels with 8-bit activations (`act8`, llama.cpp's integer products), plus
+`torch.mv` on the same shapes in bf16 (what a resident bf16 expert costs) and one decode
 wave of 8 SwiGLU experts in Q4_K_M's layout (Q4_K gate/up, Q6_K down) through `experts` against
 the torch path. Weights are random valid blocks on the huge-page memory the engine uses; paths
 alternate for `--rounds` rounds and medians are reported.
@@ -104,6 +105,8 @@ def main(argv=None) -> int:
             diffs[f"{qtype.name} {label}"] = ((a - b).abs().max() / b.abs().max()).item()
             cases.append((f"{qtype.name} {label}", raw[0].numel(), {
                 f"native ({mod.isa})": lambda raw=raw, qtype=qtype, x=x: [mod.gemv(raw[i], qtype, x) for i in range(count)],
+                "native act8": lambda raw=raw, qtype=qtype, x=x: [mod.gemv(raw[i], qtype, x, act8=True)
+                                                                  for i in range(count)],
                 "dequantize+mv": lambda raw=raw, qtype=qtype, x=x: [torch_path(raw[i], qtype, x) for i in range(count)],
                 "native deq+mv": lambda raw=raw, qtype=qtype, x=x: [native_dq(raw[i], qtype, x) for i in range(count)],
             }))
@@ -129,7 +132,11 @@ def main(argv=None) -> int:
     a, b = native_wave(), torch_wave()
     diffs["wave"] = ((a - b).abs().max() / b.abs().max()).item()
     wave_bytes = (gates[0].numel() * 2 + downs[0].numel()) * wave
-    cases.append(("wave of 8 experts", wave_bytes, {f"native ({mod.isa})": native_wave, "dequantize+mv": torch_wave}))
+    def native_wave_act8():
+        return mod.experts(xw, list(gates), list(ups), list(downs), Q.Q4_K, Q.Q4_K, Q.Q6_K, "silu", True)
+
+    cases.append(("wave of 8 experts", wave_bytes, {f"native ({mod.isa})": native_wave, "native act8": native_wave_act8,
+                                                    "dequantize+mv": torch_wave}))
 
     times: dict[tuple[str, str], list[float]] = {}
     for _, _, paths in cases:  # warm-up: thread pool, page tables

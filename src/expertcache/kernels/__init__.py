@@ -1,5 +1,6 @@
-"""Which kernels run the decode step: torch's own (the default) or the small native ones in
-`native/decode.cpp` (`--kernels native`).
+"""Which kernels run the decode step: torch's own or the small native ones in
+`native/decode.cpp` and, for quantized blocks, `native/quant.cpp` (`--kernels`; auto: native for a
+bf16 or quantized model on the CPU where they build).
 
 A decode step streams every active weight once through one-row products, and between them runs
 a few hundred small torch ops that each cost a dispatch. torch's one-row bf16 product widens
@@ -8,19 +9,22 @@ kind of CPU can read them (`tools/gemv_probe.py`). The native kernels multiply b
 directly where the CPU has AVX512-BF16, run a whole wave of a decode step's experts in one call
 instead of five torch ops per expert, and do an RMSNorm, and all of attention between the two
 projections (q/k norm, rotary, the cache append, softmax over the cache), in one call each.
-They are opt-in because:
+Over quantized blocks (GGUF files, whose dense matrices then stay blocks too: `QuantTensor`,
+`linear_blocks`) a decode step rounds each product's input to 8 bits per block and multiplies
+integer blocks, as llama.cpp does (`--activations`, `ACTIVATIONS_CHOICES`). The native kernels:
 
-- they are compiled on first use (about a minute; then cached by torch under
-  ~/.cache/torch_extensions), which needs a C++ compiler, the Python headers and ninja;
-- their sums are taken in a different order than torch's (and rotary and attention are
-  rounded once, in fp32, where torch rounds each op in bf16), so bf16 results differ from the
-  default kernels in the last bits. Within one kernel choice results are still identical
-  across cache modes, sizes, policies and thread counts: each output element is one row's dot
-  product, summed by one thread in a fixed order.
+- are compiled on first use (about a minute; then cached by torch under
+  ~/.cache/torch_extensions), which needs a C++ compiler, the Python headers and ninja; where
+  that fails, auto says so in one line and uses torch's;
+- sum in a different order than torch's (and rotary and attention are rounded once, in fp32,
+  where torch rounds each op in bf16), so bf16 results differ from torch's kernels in the last
+  bits. Within one kernel choice results are still identical across cache modes, sizes,
+  policies and thread counts: each output element is one row's dot product, summed by one
+  thread in a fixed order.
 
-Only one-row bf16 work on the CPU takes the native path (a decode step, the last row of a
-prompt); prefill's many-row products and other dtypes use torch. Attention stays on torch for
-sliding windows, clipped q/k/v and whole-projection q/k norms (OLMoE).
+Only one-row work on the CPU takes the native paths (a decode step, the last row of a prompt);
+prefill's many-row products use torch (quantized weights decoded a block of rows at a time).
+Attention stays on torch for sliding windows, clipped q/k/v and whole-projection q/k norms (OLMoE).
 The choice belongs to a model: it holds one `Kernels` object (`TorchKernels` or
 `NativeKernels`) and passes it to every layer; nothing reads a process-wide setting, so models
 with different choices can run side by side.
