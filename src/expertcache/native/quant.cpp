@@ -297,7 +297,8 @@ inline __m256 scale_i8(__m128i q8, __m256 dl) {
 
 inline void fma8(__m256& acc, __m256 w, const float* x) { acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(x), acc); }
 
-void dot_q4_k(const uint8_t* b, const float* x, Lanes& L) {
+template <class Put>
+inline void walk_q4_k(const uint8_t* b, Put&& put) {
   const float d = h2f(b), dmin = h2f(b + 2);
   const __m128i mask = _mm_set1_epi8(15);
   for (int p = 0; p < 4; ++p) {  // pairs of sub-blocks share 32 bytes: low nibbles, then high
@@ -310,16 +311,16 @@ void dot_q4_k(const uint8_t* b, const float* x, Lanes& L) {
       const __m256 dl = _mm256_set1_ps(d * static_cast<float>(sc)), ml = _mm256_set1_ps(dmin * static_cast<float>(m));
       const __m128i a = half ? _mm_and_si128(_mm_srli_epi16(q0, 4), mask) : _mm_and_si128(q0, mask);
       const __m128i c = half ? _mm_and_si128(_mm_srli_epi16(q1, 4), mask) : _mm_and_si128(q1, mask);
-      const float* xj = x + j * 32;
-      fma8(L.a, scale_u8(a, dl, ml), xj);
-      fma8(L.b, scale_u8(_mm_srli_si128(a, 8), dl, ml), xj + 8);
-      fma8(L.a, scale_u8(c, dl, ml), xj + 16);
-      fma8(L.b, scale_u8(_mm_srli_si128(c, 8), dl, ml), xj + 24);
+      put(scale_u8(a, dl, ml), j * 32);
+      put(scale_u8(_mm_srli_si128(a, 8), dl, ml), j * 32 + 8);
+      put(scale_u8(c, dl, ml), j * 32 + 16);
+      put(scale_u8(_mm_srli_si128(c, 8), dl, ml), j * 32 + 24);
     }
   }
 }
 
-void dot_q5_k(const uint8_t* b, const float* x, Lanes& L) {
+template <class Put>
+inline void walk_q5_k(const uint8_t* b, Put&& put) {
   const float d = h2f(b), dmin = h2f(b + 2);
   const __m128i mask = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
   const __m128i h0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16));
@@ -338,11 +339,10 @@ void dot_q5_k(const uint8_t* b, const float* x, Lanes& L) {
       const __m128i b1 = _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(h1, cnt), one), 4);
       const __m128i a = _mm_or_si128(half ? _mm_and_si128(_mm_srli_epi16(q0, 4), mask) : _mm_and_si128(q0, mask), b0);
       const __m128i c = _mm_or_si128(half ? _mm_and_si128(_mm_srli_epi16(q1, 4), mask) : _mm_and_si128(q1, mask), b1);
-      const float* xj = x + j * 32;
-      fma8(L.a, scale_u8(a, dl, ml), xj);
-      fma8(L.b, scale_u8(_mm_srli_si128(a, 8), dl, ml), xj + 8);
-      fma8(L.a, scale_u8(c, dl, ml), xj + 16);
-      fma8(L.b, scale_u8(_mm_srli_si128(c, 8), dl, ml), xj + 24);
+      put(scale_u8(a, dl, ml), j * 32);
+      put(scale_u8(_mm_srli_si128(a, 8), dl, ml), j * 32 + 8);
+      put(scale_u8(c, dl, ml), j * 32 + 16);
+      put(scale_u8(_mm_srli_si128(c, 8), dl, ml), j * 32 + 24);
     }
   }
 }
@@ -356,28 +356,31 @@ inline __m128i bit_bytes16(const uint8_t* bits) {
   return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, sel), sel), _mm_set1_epi8(16));
 }
 
-void dot_q5_0(const uint8_t* b, const float* x, Lanes& L) {
+template <class Put>
+inline void walk_q5_0(const uint8_t* b, Put&& put) {
   const __m256 d = _mm256_set1_ps(h2f(b));
   const __m128i mask = _mm_set1_epi8(15), off = _mm_set1_epi8(16);
   const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
   const __m128i lo = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(qs, mask), bit_bytes16(b + 2)), off);
   const __m128i hi = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), bit_bytes16(b + 4)), off);
-  fma8(L.a, scale_i8(lo, d), x);
-  fma8(L.b, scale_i8(_mm_srli_si128(lo, 8), d), x + 8);
-  fma8(L.a, scale_i8(hi, d), x + 16);
-  fma8(L.b, scale_i8(_mm_srli_si128(hi, 8), d), x + 24);
+  put(scale_i8(lo, d), 0);
+  put(scale_i8(_mm_srli_si128(lo, 8), d), 8);
+  put(scale_i8(hi, d), 16);
+  put(scale_i8(_mm_srli_si128(hi, 8), d), 24);
 }
 
-void dot_q8_0(const uint8_t* b, const float* x, Lanes& L) {
+template <class Put>
+inline void walk_q8_0(const uint8_t* b, Put&& put) {
   const __m256 d = _mm256_set1_ps(h2f(b));
   for (int i = 0; i < 32; i += 16) {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + i));
-    fma8(L.a, scale_i8(q, d), x + i);
-    fma8(L.b, scale_i8(_mm_srli_si128(q, 8), d), x + i + 8);
+    put(scale_i8(q, d), i);
+    put(scale_i8(_mm_srli_si128(q, 8), d), i + 8);
   }
 }
 
-void dot_q6_k(const uint8_t* b, const float* x, Lanes& L) {
+template <class Put>
+inline void walk_q6_k(const uint8_t* b, Put&& put) {
   const uint8_t *ql = b, *qh = b + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   const float d = h2f(b + 208);
@@ -394,12 +397,29 @@ void dot_q6_k(const uint8_t* b, const float* x, Lanes& L) {
         const __m128i q = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), off);  // -32..31
         const int w = h * 128 + s * 32 + g * 16;
         const __m256 dl = _mm256_set1_ps(d * static_cast<float>(sc[w / 16]));
-        fma8(L.a, scale_i8(q, dl), x + w);
-        fma8(L.b, scale_i8(_mm_srli_si128(q, 8), dl), x + w + 8);
+        put(scale_i8(q, dl), w);
+        put(scale_i8(_mm_srli_si128(q, 8), dl), w + 8);
       }
     }
   }
 }
+
+// Each walk hands its block's weights to `put`, 8 at a time with their offset in the block, in
+// increasing order: the products add them into the lanes (lane a for offsets k with k % 16 < 8),
+// the decoders store them. The same roundings either way.
+#define EXPERTCACHE_WALKERS(X)                                                                      \
+  void dot_##X(const uint8_t* b, const float* x, Lanes& L) {                                       \
+    walk_##X(b, [&](__m256 w, int k) { fma8((k & 8) ? L.b : L.a, w, x + k); });                    \
+  }                                                                                                \
+  void deq_##X##_v(const uint8_t* b, float* y) {                                                    \
+    walk_##X(b, [&](__m256 w, int k) { _mm256_storeu_ps(y + k, w); });                             \
+  }
+EXPERTCACHE_WALKERS(q4_k)
+EXPERTCACHE_WALKERS(q5_k)
+EXPERTCACHE_WALKERS(q5_0)
+EXPERTCACHE_WALKERS(q8_0)
+EXPERTCACHE_WALKERS(q6_k)
+#undef EXPERTCACHE_WALKERS
 #endif
 
 using Decoder = void (*)(const uint8_t*, float*);
@@ -420,11 +440,11 @@ Format format_of(int64_t type) {
     case F16: return {"F16", 32, 64, deq_f16, h2f};
     case BF16: return {"BF16", 32, 64, deq_bf16, bf2f};
 #if defined(EXPERTCACHE_AVX2)
-    case Q8_0: return {"Q8_0", 32, 34, deq_q8_0, nullptr, dot_q8_0};
-    case Q4_K: return {"Q4_K", 256, 144, deq_q4_k, nullptr, dot_q4_k};
-    case Q6_K: return {"Q6_K", 256, 210, deq_q6_k, nullptr, dot_q6_k};
-    case Q5_K: return {"Q5_K", 256, 176, deq_q5_k, nullptr, dot_q5_k};
-    case Q5_0: return {"Q5_0", 32, 22, deq_q5_0, nullptr, dot_q5_0};
+    case Q8_0: return {"Q8_0", 32, 34, deq_q8_0_v, nullptr, dot_q8_0};
+    case Q4_K: return {"Q4_K", 256, 144, deq_q4_k_v, nullptr, dot_q4_k};
+    case Q6_K: return {"Q6_K", 256, 210, deq_q6_k_v, nullptr, dot_q6_k};
+    case Q5_K: return {"Q5_K", 256, 176, deq_q5_k_v, nullptr, dot_q5_k};
+    case Q5_0: return {"Q5_0", 32, 22, deq_q5_0_v, nullptr, dot_q5_0};
 #else
     case Q8_0: return {"Q8_0", 32, 34, deq_q8_0};
     case Q4_K: return {"Q4_K", 256, 144, deq_q4_k};
@@ -1011,6 +1031,26 @@ torch::Tensor round_activations(const torch::Tensor& x_in, int64_t type) {
   return y;
 }
 
+// n floats rounded to bf16 (to nearest even, as torch rounds; the decoded weights are finite).
+inline void store_bf16(const float* x, at::BFloat16* y, int64_t n) {
+  int64_t k = 0;
+#if defined(EXPERTCACHE_AVX2)
+  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+  for (; k + 16 <= n; k += 16) {
+    __m256i v[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(x + k + 8 * h));
+      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+      v[h] = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, odd)), 16);
+    }
+    // packus works within 128-bit lanes: put the four quarters back in order.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(v[0], v[1]), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + k), packed);
+  }
+#endif
+  for (; k < n; ++k) y[k] = at::BFloat16(x[k]);
+}
+
 // W [N, K] decoded with the same decoders the products use (bit-identical to gguf-py) into out
 // [N, K], float32 or bfloat16 (rounded once, to nearest even, as torch rounds). Rows are split
 // across threads; prefill can decode a wave of experts into one reused buffer this way.
@@ -1037,7 +1077,7 @@ void dequantize_into(const torch::Tensor& w, int64_t type, const torch::Tensor& 
         if (n == fmt.block) fmt.decode(row + k0 / fmt.block * fmt.bytes, buf);
         else for (int64_t k = 0; k < n; ++k) buf[k] = fmt.one(row + (k0 + k) * width);
         if (f32) std::memcpy(Yf + r * K + k0, buf, n * 4);
-        else for (int64_t k = 0; k < n; ++k) Yb[r * K + k0 + k] = at::BFloat16(buf[k]);
+        else store_bf16(buf, Yb + r * K + k0, n);
       }
     }
   });
