@@ -100,7 +100,9 @@ def _activations(model) -> str:
     k = model.kernels if model is not None else None
     if k is None or not k.act8:
         return "exact"
-    return "q8" if k.act8_rows else "q8 decode, exact prefill"
+    from ..kernels import ALL_ROWS
+
+    return "q8" if k.act8_rows >= ALL_ROWS else f"q8 up to {k.act8_rows} rows, exact beyond"
 
 
 def _weights_per_token(model) -> int:

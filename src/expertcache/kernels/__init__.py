@@ -45,10 +45,14 @@ from ..errors import ExpertCacheError
 
 KERNELS = ("auto", "torch", "native")
 # How the activations of products with quantized weights are taken: as they are (exact), or
-# rounded to 8 bits per block first (q8), as llama.cpp's CPU products do; auto is q8 for the
-# one-row products of a decode step where the native kernels run a quantized model (bf16 on the
-# CPU), and exact elsewhere (`select`).
+# rounded to 8 bits per block first (q8), as llama.cpp's CPU products do; auto is q8 for products
+# of up to AUTO_ACT8_ROWS rows where the native kernels run a quantized model (bf16 on the CPU),
+# and exact elsewhere (`select`).
 ACTIVATIONS_CHOICES = ("auto", "exact", "q8")
+# Rows up to which `auto` takes the integer kernels (above it a bf16 GEMM of the decoded weights is
+# faster here: Q4_K 1.9x faster at 12 rows, even at 20; Q8_0 even at 10), and "every row count".
+AUTO_ACT8_ROWS = 8
+ALL_ROWS = 1 << 62
 SOURCE = Path(__file__).parent.parent / "native" / "decode.cpp"
 
 _loaded: dict[bool, ModuleType] = {}
@@ -147,11 +151,14 @@ def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bo
             print(f"expertcache: {e}; using torch's kernels (--kernels torch to choose them)", file=sys.stderr,
                   flush=True)
             chosen = TorchKernels()
-    # auto: a decode step's one-row products take the integer kernels (2-4x faster than decoding
-    # each weight to fp32); prefill's many-row products multiply the exact rows by the weights
-    # decoded to bf16 (a bf16 GEMM is 2.6x an fp32 one where the CPU has bf16 instructions).
-    chosen.act8 = quantized and (activations == "q8" or (activations == "auto" and isinstance(chosen, NativeKernels)))
-    chosen.act8_rows = quantized and activations == "q8"
+    # auto: products of few rows (a decode step; the experts few of a prompt's tokens chose) take
+    # the integer kernels, 2-4x faster than decoding each weight to fp32 (one row) or than
+    # decoding the matrix to bf16 for a GEMM (up to 8 rows; tools/gemm_act8_probe.py); more rows
+    # multiply the exact rows by the weights decoded to bf16, where a bf16 GEMM is the faster.
+    if quantized and activations == "q8":
+        chosen.act8_rows = ALL_ROWS
+    elif quantized and activations == "auto" and isinstance(chosen, NativeKernels):
+        chosen.act8_rows = AUTO_ACT8_ROWS
     if chosen.act8:
         chosen.quant  # noqa: B018 (the rounding is native on either kernel set: built now)
     return chosen
@@ -213,8 +220,11 @@ class Kernels:
     name = ""
     native: ModuleType | None = None
     # Products with quantized weights round their activations to 8 bits first (`select`).
-    act8 = False
-    act8_rows = False  # the same for products of more than one row
+    act8_rows = 0  # products of at most this many rows round their input to 8 bits first
+
+    @property
+    def act8(self) -> bool:
+        return self.act8_rows > 0
     _quant: ModuleType | None = None
 
     @property
@@ -242,8 +252,8 @@ class Kernels:
     def linear_blocks(self, x: torch.Tensor, w: QuantTensor | RowParts, b: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] @ w^T for w the file's blocks: one row straight from the blocks (native), more
         rows against the weights decoded a block of rows at a time (a bounded temporary). With
-        act8 (one row) or act8_rows (more) the rows are rounded as llama.cpp rounds them and go
-        through the integer kernels, each row as it would alone."""
+        up to `act8_rows` rows, the rows are rounded as llama.cpp rounds them and go through the
+        integer kernels, each row as it would alone."""
         if isinstance(w, RowParts):
             ends = torch.tensor([p.shape[0] for p in w.parts]).cumsum(0).tolist()
             return torch.cat([self.linear(x, p, None if b is None else b[e - p.shape[0]:e])
@@ -252,7 +262,7 @@ class Kernels:
         if T == 1:
             y = self.quant.gemv(w.raw, int(w.qtype), x[0].contiguous(), self.act8).to(x.dtype)  # [N]
             return (y if b is None else y + b)[None]
-        if self.act8_rows:  # the one-row kernels, several rows against each decoded block
+        if T <= self.act8_rows:  # the one-row kernels, several rows against each decoded block
             y = self.quant.gemm_act8(w.raw, int(w.qtype), x).to(x.dtype)  # [T, N]
             return y if b is None else y + b
         out = torch.empty((T, N), dtype=x.dtype, device=x.device)
@@ -308,7 +318,7 @@ class Kernels:
         matrices are dequantized exactly (to fp32, then the compute dtype) before the product."""
         if isinstance(w.gate_up, torch.Tensor) and isinstance(w.down, torch.Tensor):
             return self.swiglu(x, w.gate_up, w.down, act)
-        if self.act8_rows or (self.act8 and x.shape[0] == 1):
+        if x.shape[0] <= self.act8_rows:
             return self._expert_act8(x, w, act)
         gate_up = torch.cat((self.dense(w.gate, x.dtype), self.dense(w.up, x.dtype)))  # [2I, D]
         return self.swiglu(x, gate_up, self.dense(w.down, x.dtype), act)

@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Many-row products over quantized blocks: the integer kernels with 8-bit activations
+(`gemm_act8`) against decoding the matrix to bf16 and a bf16 GEMM, by row count.
+
+Where the first is faster decides `--activations auto`'s row limit (kernels.AUTO_ACT8_ROWS).
+Random valid blocks at Qwen3-30B-A3B's expert shapes; the two paths alternate and medians are
+reported.
+
+    python tools/gemm_act8_probe.py --threads 2 --rows 4,8,12,16,24,32,128
+
+Prints a table and ends with one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf.constants import GGMLQuantizationType as Q
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from gguf_blocks import random_rows  # noqa: E402
+
+from expertcache.kernels.quant_native import load_quant_native  # noqa: E402
+
+SHAPES = [("Q4_K", 1536, 2048), ("Q6_K", 2048, 768), ("Q8_0", 1536, 2048)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="4,8,12,16,24,32,128")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    m = load_quant_native()
+    out = {}
+    print(f"threads {args.threads}; GFLOP/s, median of {args.rounds} alternating rounds\n")
+    print(f"{'weights':<20}{'rows':>6}{'deq+bf16':>11}{'gemm_act8':>11}{'act8 / deq':>12}")
+    for name, n, k in SHAPES:
+        qt = Q[name]
+        raw = torch.from_numpy(random_rows(qt, n, k, 0, lo=-14, hi=-4))
+        for T in (int(t) for t in args.rows.split(",")):
+            x = torch.randn(T, k)
+
+            def deq():
+                w = torch.empty(n, k, dtype=torch.bfloat16)
+                m.dequantize_into(raw, qt, w)
+                return F.linear(x.bfloat16(), w)
+
+            times = {"deq+bf16": [], "gemm_act8": []}
+            for _ in range(args.rounds):
+                for label, fn in (("deq+bf16", deq), ("gemm_act8", lambda: m.gemm_act8(raw, qt, x))):
+                    t = time.perf_counter()
+                    fn()
+                    times[label].append(time.perf_counter() - t)
+            a, b = statistics.median(times["deq+bf16"]), statistics.median(times["gemm_act8"])
+            flop = 2 * T * n * k
+            out[f"{name} {T}"] = {"deq_bf16_gflops": flop / a / 1e9, "gemm_act8_gflops": flop / b / 1e9}
+            print(f"{name + f' [{n}x{k}]':<20}{T:>6}{flop / a / 1e9:>11.1f}{flop / b / 1e9:>11.1f}{a / b:>11.2f}x")
+    print(json.dumps({"tool": "gemm_act8_probe", "threads": args.threads, "results": out}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
