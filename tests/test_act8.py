@@ -12,7 +12,8 @@ import torch
 from gguf.constants import GGMLQuantizationType as Q
 
 from expertcache.kernels.quant_native import NATIVE_TYPES, load_quant_native
-from gguf_blocks import llama_cpp_tensors, random_rows
+from gguf_blocks import llama_cpp_tensors
+from test_quant_kernels import cols_for, weights
 from conftest import with_threads
 
 TYPES = [t.name for t in NATIVE_TYPES]
@@ -51,16 +52,6 @@ def rounded_reference(x: np.ndarray, qtype: Q) -> np.ndarray:
         d = np.float32(1) / iscale
     out = np.where(mx == 0, np.float32(0), d * q).astype(np.float32)
     return out.reshape(x.shape)
-
-
-def cols_for(qtype: Q, blocks: int) -> int:
-    size = gguf.constants.GGML_QUANT_SIZES[qtype][0]
-    return size * blocks if size > 1 else 32 * blocks + 5
-
-
-def weights(qtype: Q, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    raw = random_rows(qtype, rows, cols, seed, lo=-14, hi=-4)
-    return torch.from_numpy(raw), torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qtype)))
 
 
 def vector(n: int, seed: int) -> torch.Tensor:
