@@ -22,8 +22,9 @@ integer blocks, as llama.cpp does (`--activations`, `ACTIVATIONS_CHOICES`). The 
   policies and thread counts: each output element is one row's dot product, summed by one
   thread in a fixed order.
 
-Only one-row work on the CPU takes the native paths (a decode step, the last row of a prompt);
-prefill's many-row products use torch (quantized weights decoded a block of rows at a time).
+Only one-row work on the CPU takes the native paths (a decode step, the last row of a prompt),
+and products of up to `act8_rows` rows over quantized blocks (`gemm_act8`); prefill's other
+products use torch (quantized weights decoded a block of rows at a time).
 Attention stays on torch for sliding windows, clipped q/k/v and whole-projection q/k norms (OLMoE).
 The choice belongs to a model: it holds one `Kernels` object (`TorchKernels` or
 `NativeKernels`) and passes it to every layer; nothing reads a process-wide setting, so models
@@ -219,8 +220,9 @@ class Kernels:
 
     name = ""
     native: ModuleType | None = None
-    # Products with quantized weights round their activations to 8 bits first (`select`).
-    act8_rows = 0  # products of at most this many rows round their input to 8 bits first
+    # Products with quantized weights of at most this many rows round their input to 8 bits
+    # first and take the integer kernels (`select`); 0: none.
+    act8_rows = 0
 
     @property
     def act8(self) -> bool:

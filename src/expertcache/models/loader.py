@@ -236,7 +236,7 @@ def load_dense(m: OpenedModel, device: torch.device, dtype: torch.dtype, blocks:
 
     def matrices(names: list[str]) -> Weight:
         """Matrices multiplied as one (their rows joined): the file's blocks where they all stay
-        blocks of one type, else floats."""
+        blocks of one type, floats where none does, else each part as it stays (`RowParts`)."""
         if blocks and hasattr(ckpt, "matrix"):
             parts = [ckpt.matrix(n) for n in names]
             if all(p is None for p in parts):
