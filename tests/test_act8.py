@@ -259,3 +259,27 @@ def test_bad_activation_choices_are_one_line_errors():
 
     with pytest.raises(ExpertCacheError, match="activations 'q4' is not one of auto, exact, q8"):
         expertcache.load(FIXTURES / "olmoe-Q8_0.gguf", activations="q4")
+
+
+def test_act8_products_equal_ggmls_recorded_ones(native):
+    """ggml's own CPU kernels (`vec_dot` after `from_float`, through llama-cpp-python's library;
+    recorded by tools/ggml_dot_check.py --record) on random rows of every type: ours differ only
+    by the order of fp32 sums, where exact activations are far off. Q4_1 and Q5_1 keep a block's
+    sum of the rounded row in fp16 in ggml (4e-5 seen)."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from ggml_dot_check import inputs
+
+    rec = json.loads((FIXTURES.parent / "ggml_dot.json").read_text())
+    assert set(rec["products"]) == {t.name for t in NATIVE_TYPES} - {"F32", "F16", "BF16"}
+    for name, want in rec["products"].items():
+        qtype = Q[name]
+        raw, x = (torch.from_numpy(a) for a in inputs(qtype, rec["rows"], rec["cols"]))
+        want = torch.tensor(want)
+        scale = want.abs().max()
+        got = native.gemv(raw, qtype, x, act8=True)
+        rel = float((got - want).abs().max() / scale)
+        assert rel < (1e-4 if qtype in (Q.Q4_1, Q.Q5_1) else 1e-6), (name, rel)
+        assert float((native.gemv(raw, qtype, x) - want).abs().max() / scale) > 20 * rel, name

@@ -3,9 +3,11 @@
 Needs llama-cpp-python (its bundled libggml-cpu); never run in CI. For each quantized type it
 takes random valid rows, rounds a random activation row with ggml's `from_float` for the type's
 partner format and multiplies with ggml's `vec_dot`, then compares with expertcache's
-`gemv(..., act8=True)` and `round_activations`. Prints a table and one JSON line.
+`gemv(..., act8=True)`. Prints a table and one JSON line. `--record FILE` writes ggml's products
+with the seeds that remake the inputs (tests/fixtures/ggml_dot.json is such a recording; the tests
+compare against it without llama.cpp).
 
-    python tools/ggml_dot_check.py [--rows 256] [--cols 2048]
+    python tools/ggml_dot_check.py [--rows 256] [--cols 2048] [--record FILE]
 """
 
 from __future__ import annotations
@@ -64,25 +66,42 @@ def ggml_products(lib, qtype: Q, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     return out
 
 
+def inputs(qtype: Q, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """The weights (random valid blocks) and the activation row (outliers included) of a check."""
+    rng = np.random.default_rng(0)
+    raw = random_rows(qtype, rows, cols, seed=1, lo=-14, hi=-4)
+    x = (rng.standard_normal(cols) * np.where(rng.random(cols) < 0.1, 30, 1)).astype(np.float32)
+    return raw, x
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--cols", type=int, default=2048)
+    p.add_argument("--record", help="write ggml's products and the inputs' seeds to this JSON file")
     args = p.parse_args(argv)
     lib, ours = ggml_cpu(), load_quant_native()
-    rng = np.random.default_rng(0)
-    results = {}
+    results, record = {}, {}
     print(f"{'type':<8} {'max |diff| / max |y|':>22} {'bitwise equal rows':>20}")
     for name in TYPES:
         qtype = Q[name]
-        raw = random_rows(qtype, args.rows, args.cols, seed=1, lo=-14, hi=-4)
-        x = (rng.standard_normal(args.cols) * np.where(rng.random(args.cols) < 0.1, 30, 1)).astype(np.float32)
+        raw, x = inputs(qtype, args.rows, args.cols)
         want = ggml_products(lib, qtype, raw, x)
+        record[name] = [float(v) for v in want]
         got = ours.gemv(torch.from_numpy(raw), qtype, torch.from_numpy(x), act8=True).numpy()
         rel = float(np.abs(got - want).max() / np.abs(want).max())
         equal = int((got.view(np.int32) == want.view(np.int32)).sum())
         results[name] = {"rel": rel, "equal_rows": equal, "rows": args.rows}
         print(f"{name:<8} {rel:>22.2e} {equal:>14} / {args.rows}")
+    if args.record:
+        import llama_cpp
+
+        data = {"llama_cpp_python": llama_cpp.__version__, "rows": args.rows, "cols": args.cols,
+                "inputs": "tools/ggml_dot_check.py inputs(): random_rows(seed 1, lo -14, hi -4), x from seed 0",
+                "products": record}
+        tmp = Path(args.record).with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(args.record)
     print(json.dumps({"tool": "ggml_dot_check", "cols": args.cols, "results": results}))
     return 0
 
