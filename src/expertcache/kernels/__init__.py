@@ -322,7 +322,13 @@ class Kernels:
             return self.swiglu(x, w.gate_up, w.down, act)
         if x.shape[0] <= self.act8_rows:
             return self._expert_act8(x, w, act)
-        gate_up = torch.cat((self.dense(w.gate, x.dtype), self.dense(w.up, x.dtype)))  # [2I, D]
+        if isinstance(w.gate_up, QuantTensor):  # fused in the file: one matrix of blocks
+            gate_up = self.dense(w.gate_up, x.dtype)                                   # [2I, D]
+        else:  # decoded straight into the two halves of one matrix (no copy to join them)
+            I = w.gate.shape[0]
+            gate_up = torch.empty((2 * I, w.gate.shape[1]), dtype=x.dtype)
+            self.dense_into(w.gate, gate_up[:I])
+            self.dense_into(w.up, gate_up[I:])
         return self.swiglu(x, gate_up, self.dense(w.down, x.dtype), act)
 
     def _expert_act8(self, x: torch.Tensor, w, act: str) -> torch.Tensor:
@@ -343,6 +349,10 @@ class Kernels:
         from .dequant import dequantize
 
         return dequantize(w.raw, w.qtype, w.shape).to(dtype)
+
+    def dense_into(self, w, out: torch.Tensor) -> None:
+        """`dense(w, out.dtype)` written into `out` (a contiguous [rows, cols] tensor)."""
+        out.copy_(self.dense(w, out.dtype))
 
     def experts_one_row(self, x: torch.Tensor, wave: list, act: str = "silu") -> torch.Tensor | None:
         """A decode step's wave of experts [(id, ExpertWeights)] in one call, [n, D]; None when
@@ -388,6 +398,11 @@ class NativeKernels(Kernels):
         out = torch.empty(w.shape, dtype=dtype)
         self.quant.dequantize_into(w.raw, int(w.qtype), out)
         return out
+
+    def dense_into(self, w, out: torch.Tensor) -> None:
+        if isinstance(w, torch.Tensor) or out.dtype not in (torch.float32, torch.bfloat16):
+            return super().dense_into(w, out)
+        self.quant.dequantize_into(w.raw, int(w.qtype), out)
 
     def experts_one_row(self, x: torch.Tensor, wave: list, act: str = "silu") -> torch.Tensor | None:
         if act not in NATIVE_ACTIVATIONS:
