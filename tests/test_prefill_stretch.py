@@ -207,13 +207,25 @@ def test_bench_serve_starts_our_server_with_the_prefill_and_prefetch_flags():
     serve.add_parser(p.add_subparsers())
     args = p.parse_args(["serve", "--suite", "prefill", "-m", "M", "--compare", "resident,cache",
                          "--prefill-stretch", "1024", "--prefill-mem", "1GiB", "--prefetch", "on",
-                         "--prefetch-width", "1.5", "--cache-fraction", "0.25"])
+                         "--prefetch-width", "1.5", "--cache-fraction", "0.25", "--activations", "q8"])
     argv = serve.serve_argv(args, "cache", 8080)
     # what the server parses from that command line
     server = Parser(prog="expertcache")
     register(server.add_subparsers())
     got = server.parse_args(argv[argv.index("serve"):])
-    assert (got.prefill_stretch, got.prefill_mem, got.prefetch, got.prefetch_width, got.cache_fraction) == (
-        1024, 2**30, "on", 1.5, 0.25)
+    assert (got.prefill_stretch, got.prefill_mem, got.prefetch, got.prefetch_width, got.cache_fraction,
+            got.activations) == (1024, 2**30, "on", 1.5, 0.25, "q8")
     resident = server.parse_args(serve.serve_argv(args, "resident", 8080)[3:])
     assert resident.prefill_stretch == 1024 and resident.cache_fraction is None
+
+
+def test_bench_cache_passes_the_kernel_and_activation_choices_to_each_run():
+    from expertcache.bench import cache_bench
+    from expertcache.flags import Parser
+
+    p = Parser(prog="bench")
+    cache_bench.add_parser(p.add_subparsers())
+    args = p.parse_args(["cache", "-m", "M", "--stores", "ram", "--fractions", "0.5", "--activations", "exact",
+                         "--kernels", "native"])
+    specs = cache_bench.configurations(args)
+    assert specs and all(s["activations"] == "exact" and s["kernels"] == "native" for s in specs)

@@ -36,7 +36,7 @@ def run_one(spec: dict) -> dict:
     t0 = time.perf_counter()
     model = expertcache.load(spec["model"], dtype=spec.get("dtype"), cache=cache,
                              ctx_size=spec["prefill"] + spec["decode"] + 8, kernels=spec.get("kernels", "torch"),
-                             prefill_stretch=spec.get("prefill_stretch", 4096), prefill_mem=spec.get("prefill_mem"))
+                             activations=spec.get("activations", "auto"), prefill_stretch=spec.get("prefill_stretch", 4096), prefill_mem=spec.get("prefill_mem"))
     load_s = time.perf_counter() - t0
     replay = None
     if spec.get("route_trace"):
@@ -197,7 +197,7 @@ class PredictionReplay:
 def configurations(args) -> list[dict]:
     base = {"model": args.model, "threads": args.threads, "prefill": args.prefill, "decode": args.decode,
             "ubatch": args.ubatch, "dtype": args.dtype, "policy": args.cache_policy, "route_trace": args.route_trace,
-            "kernels": args.kernels, "prefill_stretch": args.prefill_stretch, "prefill_mem": args.prefill_mem,
+            "kernels": args.kernels, "activations": args.activations, "prefill_stretch": args.prefill_stretch, "prefill_mem": args.prefill_mem,
             "prefetch_width": args.prefetch_width}
     prefetch = ["off", "on"] if args.prefetch == "both" else [args.prefetch]
     specs = []

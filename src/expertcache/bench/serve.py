@@ -294,7 +294,7 @@ def serve_argv(args, mode: str, port: int) -> list[str]:
     argv = [sys.executable, "-m", "expertcache.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
             "--port", str(port), "--cache-mode", mode, "--cache-policy", args.cache_policy, "--store", args.store,
             "--ubatch", str(args.ubatch), "--device", args.device, "--kernels", args.kernels,
-            "--prefill-stretch", str(args.prefill_stretch)]
+            "--activations", args.activations, "--prefill-stretch", str(args.prefill_stretch)]
     if mode == "cache":
         argv += ["--prefetch", args.prefetch, "--prefetch-width", str(args.prefetch_width)]
         for flag, v in (("--cache-experts", args.cache_experts), ("--cache-mem", args.cache_mem),

@@ -143,7 +143,7 @@ def cmd_info(args) -> int:
         mb = sum(dense.gg.info(dense.names[n]).nbytes for n in blocks) / 1e6
         info["dense_weights"] = (
             f"{len(blocks)} quantized matrices ({mb:,.1f} MB) stay the file's blocks where the kernels multiply "
-            "blocks (native kernels, the CPU default, or --activations q8; routers and family-specific "
+            "blocks (with 8-bit activations: the CPU default, or --activations q8; routers and family-specific "
             f"projections excepted); everything else is dequantized at load to {str(cfg.dtype).removeprefix('torch.')} "
             "(--dtype)")
     if args.json:

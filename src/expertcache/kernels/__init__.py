@@ -166,6 +166,7 @@ def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bo
 
 
 _REDUCED = (torch.bfloat16, torch.float16)
+_DECODED = (torch.float32, torch.bfloat16)  # the dtypes the native decoder writes
 
 # The gated MLP's activation by `hidden_act`: SwiGLU (silu) or GeGLU (Gemma's tanh-approximated
 # gelu). The native expert calls take the same names and compute either in fp32 as torch does.
@@ -224,10 +225,11 @@ class Kernels:
     # first and take the integer kernels (`select`); 0: none.
     act8_rows = 0
 
+    _quant: ModuleType | None = None
+
     @property
     def act8(self) -> bool:
         return self.act8_rows > 0
-    _quant: ModuleType | None = None
 
     @property
     def quant(self) -> ModuleType:
@@ -240,8 +242,9 @@ class Kernels:
 
     @property
     def multiplies_blocks(self) -> bool:
-        """Whether dense quantized matrices are best kept as blocks (`load_dense`): the kernels
-        have one-row products over blocks (native) or round activations for them (act8)."""
+        """Whether dense quantized matrices are best kept as blocks (`load_dense`): with 8-bit
+        activations their integer products beat bf16 ones (tools/quant_gemv_probe.py); with exact
+        ones a bf16 matrix dequantized at load streams faster than decoding blocks to fp32."""
         return self.act8
 
     def embedding(self, tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
@@ -257,9 +260,12 @@ class Kernels:
         up to `act8_rows` rows, the rows are rounded as llama.cpp rounds them and go through the
         integer kernels, each row as it would alone."""
         if isinstance(w, RowParts):
-            ends = torch.tensor([p.shape[0] for p in w.parts]).cumsum(0).tolist()
-            return torch.cat([self.linear(x, p, None if b is None else b[e - p.shape[0]:e])
-                              for p, e in zip(w.parts, ends)], dim=-1)
+            outs, start = [], 0
+            for p in w.parts:
+                end = start + p.shape[0]
+                outs.append(self.linear(x, p, None if b is None else b[start:end]))
+                start = end
+            return torch.cat(outs, dim=-1)
         T, (N, K) = x.shape[0], w.shape
         if T == 1:
             y = self.quant.gemv(w.raw, int(w.qtype), x[0].contiguous(), self.act8).to(x.dtype)  # [N]
@@ -381,10 +387,6 @@ class NativeKernels(Kernels):
             return (y if b is None else y + b)[None]    # [1, N]
         return super().linear(x, w, b)
 
-    @property
-    def multiplies_blocks(self) -> bool:
-        return True
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] == 1:
             return self.native.rms_norm(x.contiguous(), weight, eps)  # one call for torch's eight
@@ -393,14 +395,14 @@ class NativeKernels(Kernels):
     def dense(self, w, dtype: torch.dtype) -> torch.Tensor:
         # The native decoder writes the rounded values straight into the output, rows across
         # threads: the same bits as torch's dequantize-then-cast, several times faster.
-        if isinstance(w, torch.Tensor) or dtype not in (torch.float32, torch.bfloat16):
+        if isinstance(w, torch.Tensor) or dtype not in _DECODED:
             return super().dense(w, dtype)
         out = torch.empty(w.shape, dtype=dtype)
-        self.quant.dequantize_into(w.raw, int(w.qtype), out)
+        self.dense_into(w, out)
         return out
 
     def dense_into(self, w, out: torch.Tensor) -> None:
-        if isinstance(w, torch.Tensor) or out.dtype not in (torch.float32, torch.bfloat16):
+        if isinstance(w, torch.Tensor) or out.dtype not in _DECODED:
             return super().dense_into(w, out)
         self.quant.dequantize_into(w.raw, int(w.qtype), out)
 

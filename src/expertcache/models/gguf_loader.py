@@ -6,8 +6,8 @@ llama.cpp's converter stores each MoE layer's experts as three tensors [E, rows,
 (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`), or a fused `ffn_gate_up_exps`; one expert is a
 slice of each, so it spans two or three ranges of the file, each in its own storage type. Experts
 stay as the file's blocks in both tiers and are dequantized only by the compute path. Dense
-matrices stay as the file's blocks too where the kernels multiply blocks (`GGUFDense.matrix`:
-native kernels, or 8-bit activations) and the converter stored them as they are or with their
+matrices stay as the file's blocks too where products take 8-bit activations (`GGUFDense.matrix`,
+`Kernels.multiplies_blocks`) and the converter stored them as they are or with their
 rows reordered; everything else is dequantized at load (exactly, to fp32, then the compute dtype).
 
 A family whose layers are not all alike (Qwen3.5's `qwen35moe`, Gemma 4's `gemma4`) completes

@@ -529,9 +529,10 @@ inline float round_bf16(float v) { return static_cast<float>(at::BFloat16(v)); }
 // x [K] rounded as ggml rounds it for a product with weights of `type`. Q8_0 as ggml's x86
 // quantizer does (scale max|x| / 127 stored as fp16; x * 127 / max|x| rounded to nearest even);
 // Q8_K as ggml's reference (the value of largest magnitude maps to -127, ties to even, at most 127).
-void quantize_act(const float* x, int64_t K, int64_t type, Act& a) {
+// The rounded row as floats (`xt`) is formed only where asked for (types without an integer kernel).
+void quantize_act(const float* x, int64_t K, int64_t type, Act& a, bool floats) {
   a.kind = act_kind(type);
-  a.xt.resize(K);
+  if (floats) a.xt.resize(K);
   if (a.kind == A_F32 || a.kind == A_F16 || a.kind == A_BF16) {
     for (int64_t k = 0; k < K; ++k)
       a.xt[k] = a.kind == A_F32 ? x[k] : a.kind == A_F16 ? round_f16(x[k]) : round_bf16(x[k]);
@@ -567,7 +568,8 @@ void quantize_act(const float* x, int64_t K, int64_t type, Act& a) {
         qb[i] = static_cast<int8_t>(std::min(127, static_cast<int>(std::nearbyint(iscale * xb[i]))));
       a.d[b] = 1.f / iscale;
     }
-    for (int i = 0; i < block; ++i) a.xt[b * block + i] = a.d[b] * static_cast<float>(qb[i]);
+    if (floats)
+      for (int i = 0; i < block; ++i) a.xt[b * block + i] = a.d[b] * static_cast<float>(qb[i]);
     if (a.kind == A_Q8_K)
       for (int j = 0; j < block / 16; ++j) {
         int32_t s = 0;
@@ -580,12 +582,6 @@ void quantize_act(const float* x, int64_t K, int64_t type, Act& a) {
 
 
 #if defined(EXPERTCACHE_AVX2)
-inline int32_t hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
-}
 // 32 signed weights (at least -128) times 32 activations (at least -127): eight int32 sums.
 inline __m256i dot_i8(__m256i w, __m256i a) {
   const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
@@ -918,9 +914,8 @@ torch::Tensor as_f32(const torch::Tensor& x) {
   return x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
 }
 
-// One row with the activations rounded as ggml rounds them (`Act`): integer blocks where the type
-// has them, else the decoded weights times the rounded row.
-// The integer row product of a type, or nullptr (the decoded weights times the rounded row).
+// The integer row product of a type with its rounded row (`Act`), or nullptr: the type's decoded
+// weights are then multiplied by the rounded row as floats (`row_dot_act`).
 using ActDot = RowDot32;
 
 ActDot act_dot_of(int64_t type) {
@@ -932,6 +927,8 @@ ActDot act_dot_of(int64_t type) {
   }
 }
 
+// One row with the activations rounded as ggml rounds them: integer blocks where the type has
+// them, else the decoded weights times the rounded row (`Act::xt`, which `quantize_act` then fills).
 float row_dot_act(const Format& fmt, ActDot ad, const uint8_t* row, const Act& a, int64_t K) {
   return ad ? ad(row, a, K) : row_dot(fmt, row, a.xt.data(), K);
 }
@@ -951,7 +948,7 @@ torch::Tensor product(const torch::Tensor& w, int64_t type, const torch::Tensor&
   float* Y = y.data_ptr<float>();
   Act a;
   const ActDot idot = act8 ? act_dot_of(type) : nullptr;
-  if (act8) quantize_act(X, K, type, a);
+  if (act8) quantize_act(X, K, type, a, !idot);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       Y[r] = act8 ? row_dot_act(fmt, idot, W + r * stride, a, K) : row_dot(fmt, W + r * stride, X, K, fused);
@@ -982,11 +979,11 @@ torch::Tensor gemm_act8(const torch::Tensor& w, int64_t type, const torch::Tenso
   const float* X = x.data_ptr<float>();
   float* Y = y.data_ptr<float>();
   std::vector<Act> acts(T);
+  const ActDot ad = act_dot_of(type);
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) quantize_act(X + t * K, K, type, acts[t]);
+    for (int64_t t = begin; t < end; ++t) quantize_act(X + t * K, K, type, acts[t], !ad);
   });
   const RowsOf rows = rows_of(type);
-  const ActDot ad = act_dot_of(type);
   constexpr int64_t TILE = 64;  // activation rows per pass over a chunk of weight rows: they stay in cache
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t0 = 0; t0 < T; t0 += TILE) {
@@ -1012,7 +1009,7 @@ torch::Tensor gemm_act8(const torch::Tensor& w, int64_t type, const torch::Tenso
 }
 
 // x [T, K] rounded row by row as ggml rounds a product's activations for weights of `type`, as
-// floats (d * q): the many-row products multiply these by the decoded weights.
+// floats (d * q): what the act8 products multiply, for checking the rounding itself.
 torch::Tensor round_activations(const torch::Tensor& x_in, int64_t type) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2, "x: expected a 2-D CPU tensor [rows, K]");
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
@@ -1024,7 +1021,7 @@ torch::Tensor round_activations(const torch::Tensor& x_in, int64_t type) {
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     Act a;
     for (int64_t t = begin; t < end; ++t) {
-      quantize_act(X + t * K, K, type, a);
+      quantize_act(X + t * K, K, type, a, true);
       std::memcpy(Y + t * K, a.xt.data(), K * 4);
     }
   });
@@ -1146,8 +1143,8 @@ torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor
   const ActDot ig = act8 ? act_dot_of(gate_type) : nullptr, iu = act8 ? act_dot_of(up_type) : nullptr,
                id = act8 ? act_dot_of(down_type) : nullptr;
   if (act8) {
-    quantize_act(X, D, gate_type, ag);
-    quantize_act(X, D, up_type, au);
+    quantize_act(X, D, gate_type, ag, !ig);
+    quantize_act(X, D, up_type, au, !iu);
   }
   at::parallel_for(0, n * 2 * I, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -1168,7 +1165,7 @@ torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor
   });
   if (act8)
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t e = begin; e < end; ++e) quantize_act(h.data() + e * I, I, down_type, ah[e]);
+      for (int64_t e = begin; e < end; ++e) quantize_act(h.data() + e * I, I, down_type, ah[e], !id);
     });
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, n * D, 16, [&](int64_t begin, int64_t end) {
