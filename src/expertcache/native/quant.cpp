@@ -636,9 +636,17 @@ inline __m256i nibbles32(const uint8_t* q) {  // 16 bytes -> low nibbles (weight
 }
 __m256i ints_q8_0(const uint8_t* b) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)); }
 __m256i ints_q4_0(const uint8_t* b) { return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); }
+// Q5_0's fifth bits: byte i is 0 where bit i of the block's 32 is set, else 0xf0, so that OR-ing
+// it onto nibble i gives the weight (nibble + 16 * bit - 16) as a signed byte in one step.
 __m256i ints_q5_0(const uint8_t* b) {
-  const __m256i hb = _mm256_setr_m128i(bit_bytes16(b + 2), bit_bytes16(b + 4));
-  return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), hb), _mm256_set1_epi8(16));
+  uint32_t bits;
+  std::memcpy(&bits, b + 2, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel);
+  return _mm256_or_si256(nibbles32(b + 6), _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xf0))));
 }
 __m256i ints_iq4_nl(const uint8_t* b) {
   const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4));
@@ -736,9 +744,12 @@ void rows_q45_k(const uint8_t* row, const Act* const* a, int64_t K, float* out) 
     const uint8_t *qh = b + 16, *qs = b + (FIVE ? 48 : 16);
     alignas(8) uint8_t sc8[8], m8[8];
     k_scales(b + 4, sc8, m8);
-    alignas(32) int32_t m[8];
-    for (int j = 0; j < 8; ++j) m[j] = m8[j];
 #if defined(EXPERTCACHE_AVX2)
+    // The scales and minimums stay in registers: each scale broadcast by a shuffle, the minimums
+    // widened to eight int32 lanes, whose products with the (16-bit) sums of 32 activations a
+    // 16-bit multiply-add forms exactly (the upper halves of the minimums are zero).
+    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc8))));
+    const __m256i m32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m8)));
     const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     const __m256i hb = FIVE ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
     __m256i lo[4], hi[4], sc[8];
@@ -751,7 +762,7 @@ void rows_q45_k(const uint8_t* row, const Act* const* a, int64_t K, float* out) 
         hi[p] = _mm256_or_si256(hi[p], _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p + 1)), one), 4));
       }
     }
-    for (int j = 0; j < 8; ++j) sc[j] = _mm256_set1_epi16(sc8[j]);
+    for (int j = 0; j < 8; ++j) sc[j] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * j)));
     for (int t = 0; t < R; ++t) {
       const int8_t* aq = a[t]->q.data() + i * 256;
       __m256i sum = _mm256_setzero_si256();
@@ -763,9 +774,12 @@ void rows_q45_k(const uint8_t* row, const Act* const* a, int64_t K, float* out) 
       }
       const float ad = a[t]->d[i];
       acc[t].lanes.add(sum, ad * d);
-      acc[t].rest.add(lane_products(m, a[t]->bsum32.data() + i * 8, false), ad * dmin);
+      acc[t].rest.add(_mm256_madd_epi16(m32, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t]->bsum32.data() + i * 8))),
+                      ad * dmin);
     }
 #else
+    int32_t m[8];
+    for (int j = 0; j < 8; ++j) m[j] = m8[j];
     for (int t = 0; t < R; ++t) {
       const int8_t* aq = a[t]->q.data() + i * 256;
       int32_t sum[8] = {0}, mins[8];
