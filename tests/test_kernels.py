@@ -124,6 +124,29 @@ def test_attend_matches_reference_attention(native):
     torch.testing.assert_close(kc2[:, pos].double(), raw_rot, rtol=2 ** -7, atol=1e-3)
 
 
+@pytest.mark.parametrize("shape,weight", [((1, 2816), torch.bfloat16), ((1, 16, 256), torch.float32),
+                                          ((1, 8, 100), None), ((1, 4, 96), torch.bfloat16)])
+def test_scaled_rms_norm_matches_each_familys_torch_formula(native, shape, weight):
+    """Gemma 4's norm (weight w, pow(-0.5)) and Qwen3.5's (1 + w in fp32, rsqrt), both scaled in fp32
+    and rounded once: the native call equals them within one bf16 step (another order of the sum of
+    squares), on a decode step's [1, D] or per-head [1, H, Dh] input, with or without a weight."""
+    from expertcache.models.gated_attention import rms_norm_fp32
+    from expertcache.models.sliding_attention import gemma_rms_norm
+
+    x = bf16(*shape, seed=shape[-1])
+    w = None if weight is None else bf16(shape[-1], seed=3, scale=0.5).to(weight)
+    nk = kernels.NativeKernels(native)
+    for reference in (gemma_rms_norm, rms_norm_fp32) if w is not None else (gemma_rms_norm,):
+        got = nk.rms_norm_scaled(x, w, 1e-6, reference)
+        assert got.shape == x.shape and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, reference(x, w, 1e-6), rtol=2 ** -7, atol=1e-6)
+    # more than one token: the family's own formula, as prefill runs it
+    x2 = bf16(3, shape[-1], seed=1)
+    assert torch.equal(nk.rms_norm_scaled(x2, w, 1e-6, gemma_rms_norm), gemma_rms_norm(x2, w, 1e-6))
+    with pytest.raises(RuntimeError, match="weight: expected"):
+        native.rms_norm_scaled(bf16(1, 8, seed=0), torch.ones(7), 1e-6)
+
+
 def test_bad_arguments_are_errors_not_crashes(native):
     with pytest.raises(RuntimeError, match="expected 8 columns"):
         native.gemv(bf16(4, 9, seed=0), bf16(8, seed=1))

@@ -7,7 +7,7 @@ a few hundred small torch ops that each cost a dispatch. torch's one-row bf16 pr
 every weight to fp32 before its multiply-add and streams the weights well below the rate this
 kind of CPU can read them (`tools/gemv_probe.py`). The native kernels multiply bf16 pairs
 directly where the CPU has AVX512-BF16, run a whole wave of a decode step's experts in one call
-instead of five torch ops per expert, and do an RMSNorm, and all of attention between the two
+instead of five torch ops per expert, and do an RMSNorm (either rounding convention), and all of attention between the two
 projections (q/k norm, rotary, the cache append, softmax over the cache), in one call each.
 Over quantized blocks (GGUF files, whose dense matrices then stay blocks too: `QuantTensor`,
 `linear_blocks`) a decode step rounds each product's input to 8 bits per block and multiplies
@@ -311,6 +311,11 @@ class Kernels:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(dtype)
 
+    def rms_norm_scaled(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, reference) -> torch.Tensor:
+        """An RMSNorm over the last dim normalised and scaled in fp32 and rounded once (Gemma 4's,
+        Qwen3.5's), `weight` optional: `reference(x, weight, eps)`, the family's torch formula."""
+        return reference(x, weight, eps)
+
     def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str = "silu") -> torch.Tensor:
         """down(act(gate(x)) * up(x)) with gate_up [2I, D] (gate rows, then up rows), down [D, I];
         `act` one of `ACTIVATIONS` (silu: SwiGLU, gelu_pytorch_tanh: GeGLU)."""
@@ -391,6 +396,12 @@ class NativeKernels(Kernels):
         if x.dim() == 2 and x.shape[0] == 1:
             return self.native.rms_norm(x.contiguous(), weight, eps)  # one call for torch's eight
         return super().rms_norm(x, weight, eps)
+
+    def rms_norm_scaled(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, reference) -> torch.Tensor:
+        # A decode step's norms (one token: [1, D], or [1, heads, Dh]) in one call each.
+        if x.shape[0] == 1 and x.dtype == torch.bfloat16:
+            return self.native.rms_norm_scaled(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
+        return reference(x, weight, eps)
 
     def dense(self, w, dtype: torch.dtype) -> torch.Tensor:
         # The native decoder writes the rounded values straight into the output, rows across

@@ -9,6 +9,8 @@ T = tokens, D = hidden, V = vocabulary.
 
 from __future__ import annotations
 
+from functools import partial
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,7 +87,8 @@ class Decoder:
         if len(dims) > 1:
             raise ExpertCacheError(f"layers rotate {sorted(dims)} dims of a head; expected one rotary width")
         self.rotary = Rotary(cfg, device, dtype, dims.pop() if dims else None)
-        self.norm = weights.rms_norm or (rms_norm_fp32 if weights.fp32_norms else kernels.rms_norm)
+        reference = weights.rms_norm or (rms_norm_fp32 if weights.fp32_norms else None)
+        self.norm = kernels.rms_norm if reference is None else partial(kernels.rms_norm_scaled, reference=reference)
         # Recurrent-state snapshots of new sequences (`state.py`): how often while decoding, how many.
         self.snapshot_every, self.max_snapshots = SNAPSHOT_EVERY, MAX_SNAPSHOTS
         self.routing_hook: RoutingHook | None = None

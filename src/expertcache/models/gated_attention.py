@@ -85,8 +85,8 @@ def gated_attention(kern: Kernels, cfg: GatedAttentionConfig, w: GatedAttentionW
     qg, k, v = linear(x, w.qkv, w.qkv_bias).split([2 * H * Dh, G * Dh, G * Dh], dim=-1)
     qg = qg.view(T, H, 2, Dh)
     gate = qg[:, :, 1].reshape(T, H * Dh)                             # [T, H*Dh]
-    q = rms_norm_fp32(qg[:, :, 0], w.q_norm, cfg.eps).transpose(0, 1)  # [H, T, Dh]
-    k = rms_norm_fp32(k.view(T, G, Dh), w.k_norm, cfg.eps).transpose(0, 1)  # [G, T, Dh]
+    q = kern.rms_norm_scaled(qg[:, :, 0], w.q_norm, cfg.eps, rms_norm_fp32).transpose(0, 1)  # [H, T, Dh]
+    k = kern.rms_norm_scaled(k.view(T, G, Dh), w.k_norm, cfg.eps, rms_norm_fp32).transpose(0, 1)  # [G, T, Dh]
     q = torch.cat((apply_rotary(q[..., :R], cos, sin), q[..., R:]), dim=-1)  # [H, T, Dh]
     k = torch.cat((apply_rotary(k[..., :R], cos, sin), k[..., R:]), dim=-1)  # [G, T, Dh]
     v = v.view(T, G, Dh).transpose(0, 1)                              # [G, T, Dh]

@@ -15,6 +15,7 @@ T = tokens, D = hidden size.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -71,8 +72,12 @@ class ParallelFFN:
                                                                            "scale", "expert_scale")),
                                   r.opt(prefix + N["layer_scalar"]))
 
+    def router_input(self, k, h: torch.Tensor, w: ParallelFFNWeights) -> torch.Tensor:
+        """What the router projects: rms(h) * scale * D^-0.5, [T, D]."""
+        return k.rms_norm_scaled(h, None, self.eps, gemma_rms_norm) * w.scale * self.hidden ** -0.5
+
     def route(self, k, h: torch.Tensor, router: torch.Tensor, w: ParallelFFNWeights) -> Routing:
-        x = gemma_rms_norm(h, None, self.eps) * w.scale * self.hidden ** -0.5  # [T, D]
+        x = self.router_input(k, h, w)                                          # [T, D]
         probs = torch.softmax(k.linear(x, router), dim=-1, dtype=torch.float)  # [T, E]
         weights, ids = torch.topk(probs, self.top_k, dim=-1)                   # [T, A]
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -84,10 +89,11 @@ class ParallelFFN:
         lap = dec.timer.lap if dec.timer is not None else _no_lap
         routing = dec.hooked(layer, self.route(k, h, lw.router, w))
         lap("routing")
-        dense = gemma_rms_norm(k.swiglu(x, w.dense.gate_up, w.dense.down, self.act), w.post_1, eps)  # [T, D]
+        norm = partial(k.rms_norm_scaled, eps=eps, reference=gemma_rms_norm)
+        dense = norm(k.swiglu(x, w.dense.gate_up, w.dense.down, self.act), w.post_1)  # [T, D]
         lap("dense_mlp")
-        moe = moe_experts(k, gemma_rms_norm(h, w.pre_2, eps), routing, dec.provider, layer, self.act)  # [T, D]
-        h = h + gemma_rms_norm(dense + gemma_rms_norm(moe, w.post_2, eps), w.post, eps)
+        moe = moe_experts(k, norm(h, w.pre_2), routing, dec.provider, layer, self.act)  # [T, D]
+        h = h + norm(dense + norm(moe, w.post_2), w.post)
         lap("experts")
         return h if w.layer_scalar is None else h * w.layer_scalar
 

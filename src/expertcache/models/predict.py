@@ -20,7 +20,6 @@ import torch
 
 from ..errors import ExpertCacheError
 from .parallel_ffn import ParallelFFN
-from .sliding_attention import gemma_rms_norm
 
 
 def next_moe_layers(moe_layers: Sequence[int]) -> dict[int, int]:
@@ -41,7 +40,7 @@ def router_input(decoder, layer: int, h: torch.Tensor) -> torch.Tensor:
         return decoder.norm(h, lw.post_norm, decoder.cfg.rms_norm_eps)  # [T, D]
     if isinstance(lw.block, ParallelFFN):
         b = lw.block
-        return gemma_rms_norm(h, None, b.eps) * lw.block_w.scale * b.hidden ** -0.5  # [T, D]
+        return b.router_input(decoder.kernels, h, lw.block_w)  # [T, D]
     raise ExpertCacheError(f"layer {layer}: no predictor for a feed-forward block of type "
                            f"{type(lw.block).__name__}")
 

@@ -18,6 +18,7 @@ H = query heads, G = key/value heads, Dh = head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -140,9 +141,10 @@ def sliding_attention(kern: Kernels, mixer: SlidingAttention, w: SlidingAttentio
         v = k
     else:
         q, k, v = proj.split([H * Dh, G * Dh, G * Dh], dim=-1)
-    q = apply_rotary(gemma_rms_norm(q.view(T, H, Dh), w.q_norm, eps).transpose(0, 1), cos, sin)  # [H, T, Dh]
-    k = apply_rotary(gemma_rms_norm(k.view(T, G, Dh), w.k_norm, eps).transpose(0, 1), cos, sin)  # [G, T, Dh]
-    v = gemma_rms_norm(v.view(T, G, Dh), None, eps).transpose(0, 1)                              # [G, T, Dh]
+    norm = partial(kern.rms_norm_scaled, eps=eps, reference=gemma_rms_norm)
+    q = apply_rotary(norm(q.view(T, H, Dh), w.q_norm).transpose(0, 1), cos, sin)  # [H, T, Dh]
+    k = apply_rotary(norm(k.view(T, G, Dh), w.k_norm).transpose(0, 1), cos, sin)  # [G, T, Dh]
+    v = norm(v.view(T, G, Dh), None).transpose(0, 1)                              # [G, T, Dh]
     keys, values, kpos = kv.append_window(layer, k, v)                       # [G, N, Dh] x2, [N]
     R = H // G
     if T == 1:
@@ -154,7 +156,7 @@ def sliding_attention(kern: Kernels, mixer: SlidingAttention, w: SlidingAttentio
             mask = ((kpos >= 0) & (kpos > P - cfg.window))[None, None, None, :]  # [1, 1, 1, N]
         out = F.scaled_dot_product_attention(q.reshape(1, G, R, Dh), keys[None], values[None],
                                              attn_mask=mask, scale=1.0)    # [1, G, R, Dh]
-        return gemma_rms_norm(kern.linear(out.reshape(1, H * Dh), w.o), w.post_norm, eps)  # [1, D]
+        return norm(kern.linear(out.reshape(1, H * Dh), w.o), w.post_norm)  # [1, D]
     if R > 1:
         keys = keys.repeat_interleave(R, dim=0)                               # [H, N, Dh]
         values = values.repeat_interleave(R, dim=0)                           # [H, N, Dh]
@@ -166,4 +168,4 @@ def sliding_attention(kern: Kernels, mixer: SlidingAttention, w: SlidingAttentio
     out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed,
                                          scale=1.0)[0]                        # [H, T, Dh]
     out = kern.linear(out.transpose(0, 1).reshape(T, H * Dh), w.o)           # [T, D]
-    return gemma_rms_norm(out, w.post_norm, eps)
+    return norm(out, w.post_norm)

@@ -85,13 +85,16 @@ class WindowKVCache(SnapshotSchedule, KVCache):
         W = r.pos.shape[0]
         if T == 1:
             # A decode step: its slot held position P-W, outside its window; written first, the
-            # ring alone is what it attends over (no copy of the ring per step).
+            # ring alone is what it attends over (no copy of the ring per step). Until the ring
+            # has wrapped, position p is in slot p and the slots after P hold nothing: only the
+            # first P+1 are attended over (a short context never reads the whole window).
             slot = P % W
             self._pending = True
             r.k[:, slot].copy_(k[:, 0])
             r.v[:, slot].copy_(v[:, 0])
             r.pos[slot] = P
-            return r.k, r.v, r.pos
+            n = min(W, P + 1)
+            return r.k[:, :n], r.v[:, :n], r.pos[:n]
         new_pos = torch.arange(P, P + T, device=k.device)                  # [T]
         keys = torch.cat((r.k, k), dim=1)                                  # [G, W+T, Dh]
         values = torch.cat((r.v, v), dim=1)                                # [G, W+T, Dh]

@@ -183,6 +183,39 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return y;
 }
 
+// RMSNorm normalised and scaled in fp32, rounded once (Gemma 4's norms, and Qwen3.5's with 1 + w
+// in the weight): y = bf16(x * inv * w), w fp32 or bf16 [C], or without a weight bf16(x * inv).
+// torch takes about eight ops for this; a decode step of those families runs dozens of them.
+torch::Tensor rms_norm_scaled(const torch::Tensor& x, const c10::optional<torch::Tensor>& w, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x: expected [rows, columns]");
+  const int64_t R = x.size(0), C = x.size(1);
+  const bool has_w = w.has_value() && w->defined();
+  std::vector<float> scale(has_w ? C : 0);
+  if (has_w) {
+    TORCH_CHECK(w->device().is_cpu() && w->is_contiguous() && w->dim() == 1 && w->size(0) == C &&
+                    (w->scalar_type() == torch::kFloat32 || w->scalar_type() == torch::kBFloat16),
+                "weight: expected a contiguous float32 or bfloat16 CPU tensor [", C, "]");
+    if (w->scalar_type() == torch::kFloat32) std::memcpy(scale.data(), w->data_ptr<float>(), C * 4);
+    else {
+      const uint16_t* wb = bits(*w);
+      for (int64_t c = 0; c < C; ++c) scale[c] = widen(wb[c]);
+    }
+  }
+  auto y = torch::empty_like(x);
+  const uint16_t* X = bits(x);
+  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<bf16>());
+  for (int64_t i = 0; i < R; ++i) {
+    const uint16_t* xi = X + i * C;
+    const float inv = 1.f / std::sqrt(dot(xi, xi, C) / static_cast<float>(C) + static_cast<float>(eps));
+    for (int64_t c = 0; c < C; ++c) {
+      const float v = widen(xi[c]) * inv;
+      Y[i * C + c] = bf16(has_w ? v * scale[c] : v).x;
+    }
+  }
+  return y;
+}
+
 // Decode attention for one token, from the q/k/v projection's output to the heads' outputs:
 //   qkv [(H + 2G) * Dh]: q for H heads, k and v for G key/value heads;
 //   qk_norm [H + G, Dh] (one weight row per head) or empty: RMSNorm of q and k first;
@@ -265,6 +298,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row of x [R, C], weight [C] or [R, C]",
         py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm_scaled", &rms_norm_scaled, "RMSNorm of each row of x [R, C] scaled in fp32 by weight [C] (or none), rounded once",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("attend", &attend, "decode attention for one token: q/k norm, rotary, kv append, softmax(qk)v",
         py::call_guard<py::gil_scoped_release>());
 }
