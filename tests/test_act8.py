@@ -11,6 +11,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
+from expertcache import kernels
 from expertcache.kernels.quant_native import NATIVE_TYPES, load_quant_native
 from gguf_blocks import llama_cpp_tensors
 from test_quant_kernels import cols_for, weights
@@ -233,8 +234,11 @@ def test_dense_matrices_stay_blocks_only_where_the_kernels_multiply_blocks():
     # products over blocks: more rows than auto rounds are the exact rows times the decoded
     # weights; one row is the integer kernel; side-by-side parts are each part's product
     k = native.kernels
+    k.act8_rows = kernels.AUTO_ACT8_ROWS  # auto's limit on a CPU with bf16 matrix instructions
     x = torch.randn(k.act8_rows + 12, w.lm_head.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
     assert torch.equal(k.linear(x, w.lm_head), k.linear(x, k.dense(w.lm_head, torch.bfloat16)))
+    assert torch.equal(k.linear(x[:8], w.lm_head), k.quant.gemm_act8(w.lm_head.raw, int(w.lm_head.qtype), x[:8])
+                       .to(torch.bfloat16))
     one = k.quant.gemv(w.lm_head.raw, int(w.lm_head.qtype), x[0], act8=True).to(torch.bfloat16)
     assert torch.equal(k.linear(x[:1], w.lm_head)[0], one)
     parts = [k.linear(x, p if isinstance(p, torch.Tensor) else k.dense(p, torch.bfloat16)) for p in qkv1.parts]
@@ -258,6 +262,19 @@ def test_q8_results_do_not_depend_on_the_cache(dtype):
         got, tel = run(cache)
         assert torch.equal(got, want), cache
         assert tel["total"]["copied_experts"] > 0
+
+
+@pytest.mark.parametrize("bf16_gemm", [True, False])
+def test_auto_rounds_every_products_rows_where_the_cpu_has_no_bf16_matrix_instructions(monkeypatch, bf16_gemm):
+    """auto: up to 8 rows where a bf16 GEMM has instructions of its own (AVX512-BF16, AMX), every
+    row count where it would be widened to fp32; exact and torch's kernels never round."""
+    monkeypatch.setitem(kernels._has, torch.bfloat16, bf16_gemm)
+    k = kernels.select("auto", torch.device("cpu"), torch.bfloat16, quantized=True)
+    assert k.act8_rows == (kernels.AUTO_ACT8_ROWS if bf16_gemm else kernels.ALL_ROWS)
+    assert kernels.select("auto", torch.device("cpu"), torch.bfloat16, quantized=True, activations="exact").act8_rows == 0
+    assert kernels.select("torch", torch.device("cpu"), torch.bfloat16, quantized=True).act8_rows == 0
+    assert kernels.select("auto", torch.device("cpu"), torch.bfloat16, quantized=True, activations="q8").act8_rows \
+        == kernels.ALL_ROWS
 
 
 def test_bad_activation_choices_are_one_line_errors():

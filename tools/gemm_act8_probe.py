@@ -2,7 +2,8 @@
 """Many-row products over quantized blocks: the integer kernels with 8-bit activations
 (`gemm_act8`) against decoding the matrix to bf16 and a bf16 GEMM, by row count.
 
-Where the first is faster decides `--activations auto`'s row limit (kernels.AUTO_ACT8_ROWS).
+Where the first is faster decides `--activations auto`'s row limit (kernels.AUTO_ACT8_ROWS) on CPUs with bf16
+matrix instructions; on CPUs without them the integer kernels win at every row count.
 Random valid blocks at Qwen3-30B-A3B's expert shapes; the two paths alternate and medians are
 reported.
 

@@ -46,9 +46,10 @@ from ..errors import ExpertCacheError
 
 KERNELS = ("auto", "torch", "native")
 # How the activations of products with quantized weights are taken: as they are (exact), or
-# rounded to 8 bits per block first (q8), as llama.cpp's CPU products do; auto is q8 for products
-# of up to AUTO_ACT8_ROWS rows where the native kernels run a quantized model (bf16 on the CPU),
-# and exact elsewhere (`select`).
+# rounded to 8 bits per block first (q8), as llama.cpp's CPU products do; auto is q8 where the
+# native kernels run a quantized model (bf16 on the CPU), for products of up to AUTO_ACT8_ROWS
+# rows on a CPU with bf16 matrix instructions and for all of them on one without, and exact
+# elsewhere (`select`).
 ACTIVATIONS_CHOICES = ("auto", "exact", "q8")
 # Rows up to which `auto` takes the integer kernels (above it a bf16 GEMM of the decoded weights is
 # faster here: Q4_K 1.9x faster at 12 rows, even at 20; Q8_0 even at 10), and "every row count".
@@ -154,12 +155,15 @@ def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bo
             chosen = TorchKernels()
     # auto: products of few rows (a decode step; the experts few of a prompt's tokens chose) take
     # the integer kernels, 2-4x faster than decoding each weight to fp32 (one row) or than
-    # decoding the matrix to bf16 for a GEMM (up to 8 rows; tools/gemm_act8_probe.py); more rows
-    # multiply the exact rows by the weights decoded to bf16, where a bf16 GEMM is the faster.
+    # decoding the matrix to bf16 for a GEMM (up to 8 rows; tools/gemm_act8_probe.py). More rows
+    # multiply the exact rows by the weights decoded to bf16 where the CPU has bf16 matrix
+    # instructions (AVX512-BF16, AMX), where a bf16 GEMM is the faster; without them a bf16 GEMM
+    # is widened to fp32 (`WIDE_ROWS`) and the integer kernels are 3-4x faster at every row count
+    # (AVX2: 75 against 16-20 GFLOP/s on Q4_K, 2 threads), so they take every product.
     if quantized and activations == "q8":
         chosen.act8_rows = ALL_ROWS
     elif quantized and activations == "auto" and isinstance(chosen, NativeKernels):
-        chosen.act8_rows = AUTO_ACT8_ROWS
+        chosen.act8_rows = AUTO_ACT8_ROWS if _has_gemm(torch.bfloat16) else ALL_ROWS
     if chosen.act8:
         chosen.quant  # noqa: B018 (the rounding is native on either kernel set: built now)
     return chosen
