@@ -265,9 +265,9 @@ def test_q8_results_do_not_depend_on_the_cache(dtype):
 
 
 @pytest.mark.parametrize("bf16_gemm", [True, False])
-def test_auto_rounds_every_products_rows_where_the_cpu_has_no_bf16_matrix_instructions(monkeypatch, bf16_gemm):
+def test_auto_rounds_more_rows_where_the_cpu_has_no_bf16_matrix_instructions(monkeypatch, bf16_gemm):
     """auto: up to 8 rows where a bf16 GEMM has instructions of its own (AVX512-BF16, AMX), every
-    row count where it would be widened to fp32; exact and torch's kernels never round."""
+    product where it would be widened to fp32; exact and torch's kernels never round."""
     monkeypatch.setitem(kernels._has, torch.bfloat16, bf16_gemm)
     k = kernels.select("auto", torch.device("cpu"), torch.bfloat16, quantized=True)
     assert k.act8_rows == (kernels.AUTO_ACT8_ROWS if bf16_gemm else kernels.ALL_ROWS)

@@ -2,8 +2,9 @@
 """Many-row products over quantized blocks: the integer kernels with 8-bit activations
 (`gemm_act8`) against decoding the matrix to bf16 and a bf16 GEMM, by row count.
 
-Where the first is faster decides `--activations auto`'s row limit (kernels.AUTO_ACT8_ROWS) on CPUs with bf16
-matrix instructions; on CPUs without them the integer kernels win at every row count.
+Where the first is faster decides `--activations auto`'s row limit on CPUs with bf16 matrix
+instructions (kernels.AUTO_ACT8_ROWS); on CPUs without them the bf16 product is widened to fp32 as
+prefill widens it (see kernels.select for why every product is q8 there).
 Random valid blocks at Qwen3-30B-A3B's expert shapes; the two paths alternate and medians are
 reported.
 
@@ -21,12 +22,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType as Q
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from gguf_blocks import random_rows  # noqa: E402
 
+from expertcache.kernels import TorchKernels  # noqa: E402
 from expertcache.kernels.quant_native import load_quant_native  # noqa: E402
 
 SHAPES = [("Q4_K", 1536, 2048), ("Q6_K", 2048, 768), ("Q8_0", 1536, 2048)]
@@ -40,6 +41,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     m = load_quant_native()
+    exact = TorchKernels()
     out = {}
     print(f"threads {args.threads}; GFLOP/s, median of {args.rounds} alternating rounds\n")
     print(f"{'weights':<20}{'rows':>6}{'deq+bf16':>11}{'gemm_act8':>11}{'act8 / deq':>12}")
@@ -52,7 +54,7 @@ def main(argv=None) -> int:
             def deq():
                 w = torch.empty(n, k, dtype=torch.bfloat16)
                 m.dequantize_into(raw, qt, w)
-                return F.linear(x.bfloat16(), w)
+                return exact.linear(x.bfloat16(), w)  # as prefill multiplies (widened to fp32 where that is faster)
 
             times = {"deq+bf16": [], "gemm_act8": []}
             for _ in range(args.rounds):

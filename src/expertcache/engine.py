@@ -403,7 +403,7 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     (see `kernels`). `activations`: how products with quantized weights take their input: "q8"
     rounds it to 8 bits per block first, as llama.cpp's CPU products do, "exact" does not, "auto"
     is q8 where the native kernels run a quantized model (for products of up to 8 rows on a CPU
-    with bf16 matrix instructions, for all of them on one without) and exact elsewhere
+    with bf16 matrix instructions, all of them on one without) and exact elsewhere
     (`kernels.ACTIVATIONS_CHOICES`). `prefill_stretch`: tokens a long prompt's MoE ops run over per load of each
     expert (`Model.prefill`), cut to what `prefill_mem` bytes of activations hold (default
     2 GiB). Every argument is checked before a weight is read."""

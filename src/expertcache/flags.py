@@ -73,8 +73,8 @@ def add_kernels_flag(p) -> None:
                         "llama.cpp's CPU products do (results move by ~1e-3; with --dtype float32, llama.cpp's "
                         "numerics); exact multiplies it as it is; auto (default): q8 where the native kernels run a "
                         "quantized model, for products of up to 8 rows (decode; integer kernels, 2-4x faster) on a "
-                        "CPU with bf16 matrix instructions (AVX512-BF16, AMX) and for every product on one without "
-                        "(3-4x faster than a bf16 GEMM widened to fp32), exact elsewhere")
+                        "CPU with bf16 matrix instructions (AVX512-BF16, AMX), every product on one without, where "
+                        "a bf16 GEMM is widened to fp32; exact elsewhere")
 
 
 def add_cache_flags(p: argparse.ArgumentParser) -> None:
