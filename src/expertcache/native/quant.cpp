@@ -697,6 +697,27 @@ float row_dot_32(const uint8_t* row, const Act& a, int64_t K) {
   return acc.sum();
 }
 
+// Up to four rows against one row of a 32-weight type: each block decoded once, each row's sums
+// and float steps those of `row_dot_32` with that row alone.
+template <Ints32 INTS, int BYTES, int R>
+void rows_32(const uint8_t* row, const Act* const* a, int64_t K, float* out) {
+  Acc8 acc[R];
+  for (int64_t i = 0, nb = K / 32; i < nb; ++i) {
+    const uint8_t* b = row + i * BYTES;
+    const float d = h2f(b);
+#if defined(EXPERTCACHE_AVX2)
+    const __m256i w = INTS(b);
+    for (int t = 0; t < R; ++t)
+      acc[t].add(dot_i8(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t]->q.data() + i * 32))), d * a[t]->d[i]);
+#else
+    alignas(32) int8_t w[32];
+    INTS(b, w);
+    for (int t = 0; t < R; ++t) acc[t].add(w, a[t]->q.data() + i * 32, d * a[t]->d[i]);
+#endif
+  }
+  for (int t = 0; t < R; ++t) out[t] = acc[t].sum();
+}
+
 // The 256-weight K-quants: each super-block gives eight exact int32 sums (lane j over bytes
 // 4j..4j+3 of each 32-byte run of the block, each run's sums times its sub-block's scale), which
 // are scaled by the block's scale and added into eight fp32 lanes; the terms of the minimums
@@ -752,28 +773,28 @@ void rows_q45_k(const uint8_t* row, const Act* const* a, int64_t K, float* out) 
     const __m256i m32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m8)));
     const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     const __m256i hb = FIVE ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
-    __m256i lo[4], hi[4], sc[8];
-    for (int p = 0; p < 4; ++p) {
+    __m256i sum[R];
+    for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {  // one 32-byte run at a time: few registers live across the rows
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 32));
-      lo[p] = _mm256_and_si256(q, m4);
-      hi[p] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+      __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
       if (FIVE) {
-        lo[p] = _mm256_or_si256(lo[p], _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p)), one), 4));
-        hi[p] = _mm256_or_si256(hi[p], _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p + 1)), one), 4));
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p)), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p + 1)), one), 4));
+      }
+      const __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * (2 * p))));
+      const __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * (2 * p + 1))));
+      for (int t = 0; t < R; ++t) {
+        const int8_t* aq = a[t]->q.data() + i * 256 + p * 64;
+        const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq));
+        const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + 32));
+        sum[t] = _mm256_add_epi32(sum[t], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), s0),
+                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), s1)));
       }
     }
-    for (int j = 0; j < 8; ++j) sc[j] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * j)));
     for (int t = 0; t < R; ++t) {
-      const int8_t* aq = a[t]->q.data() + i * 256;
-      __m256i sum = _mm256_setzero_si256();
-      for (int p = 0; p < 4; ++p) {
-        const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + p * 64));
-        const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + p * 64 + 32));
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(lo[p], a0), sc[2 * p]));
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(hi[p], a1), sc[2 * p + 1]));
-      }
       const float ad = a[t]->d[i];
-      acc[t].lanes.add(sum, ad * d);
+      acc[t].lanes.add(sum[t], ad * d);
       acc[t].rest.add(_mm256_madd_epi16(m32, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t]->bsum32.data() + i * 8))),
                       ad * dmin);
     }
@@ -814,27 +835,26 @@ void rows_q6_k(const uint8_t* row, const Act* const* a, int64_t K, float* out) {
     for (int j = 0; j < 16; ++j) sc32[j] = 32 * sc[j];
 #if defined(EXPERTCACHE_AVX2)
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
-    __m256i q[8], scv[8];
-    for (int h = 0; h < 2; ++h) {
+    __m256i sum[R];
+    for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {  // one 32-weight run at a time: few registers live across the rows
       const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + h * 32));
       for (int s = 0; s < 4; ++s) {
         __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + h * 64 + (s % 2) * 32));
         lo = s < 2 ? _mm256_and_si256(lo, m4) : _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
         const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * s)), m2);
         const int w = h * 128 + s * 32;
-        q[h * 4 + s] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63
-        scv[h * 4 + s] = _mm256_setr_m128i(_mm_set1_epi16(sc[w / 16]), _mm_set1_epi16(sc[w / 16 + 1]));
+        const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63
+        const __m256i scv = _mm256_setr_m128i(_mm_set1_epi16(sc[w / 16]), _mm_set1_epi16(sc[w / 16 + 1]));
+        for (int t = 0; t < R; ++t) {
+          const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t]->q.data() + i * 256 + w));
+          sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q, av), scv));
+        }
       }
     }
     for (int t = 0; t < R; ++t) {
-      const int8_t* aq = a[t]->q.data() + i * 256;
-      __m256i sum = _mm256_setzero_si256();
-      for (int u = 0; u < 8; ++u) {
-        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + u * 32));
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[u], av), scv[u]));
-      }
       const float f = a[t]->d[i] * d;
-      acc[t].lanes.add(sum, f);
+      acc[t].lanes.add(sum[t], f);
       acc[t].rest.add(lane_products(sc32, a[t]->bsum.data() + i * 16, true), f);
     }
 #else
@@ -870,11 +890,20 @@ template <int R> struct Q4K { static void call(const uint8_t* w, const Act* cons
 template <int R> struct Q5K { static void call(const uint8_t* w, const Act* const* a, int64_t K, float* o) { rows_q45_k<true, R>(w, a, K, o); } };
 template <int R> struct Q6K { static void call(const uint8_t* w, const Act* const* a, int64_t K, float* o) { rows_q6_k<R>(w, a, K, o); } };
 
+template <Ints32 INTS, int BYTES>
+struct Rows32 {
+  template <int R> struct F { static void call(const uint8_t* w, const Act* const* a, int64_t K, float* o) { rows_32<INTS, BYTES, R>(w, a, K, o); } };
+};
+
 RowsOf rows_of(int64_t type) {
   switch (type) {
     case Q4_K: return rows_table<Q4K>();
     case Q5_K: return rows_table<Q5K>();
     case Q6_K: return rows_table<Q6K>();
+    case Q8_0: return rows_table<Rows32<ints_q8_0, 34>::F>();
+    case Q4_0: return rows_table<Rows32<ints_q4_0, 18>::F>();
+    case Q5_0: return rows_table<Rows32<ints_q5_0, 22>::F>();
+    case IQ4_NL: return rows_table<Rows32<ints_iq4_nl, 18>::F>();
     default: return {};
   }
 }
