@@ -1027,22 +1027,30 @@ torch::Tensor gemm_act8(const torch::Tensor& w, int64_t type, const torch::Tenso
     for (int64_t t = begin; t < end; ++t) quantize_act(X + t * K, K, type, acts[t], !ad);
   });
   const RowsOf rows = rows_of(type);
-  constexpr int64_t TILE = 64;  // activation rows per pass over a chunk of weight rows: they stay in cache
+  if (!rows.r[0]) {
+    constexpr int64_t TILE = 64;  // activation rows per pass over a chunk of weight rows: they stay in cache
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t0 = 0; t0 < T; t0 += TILE)
+        for (int64_t r = begin; r < end; ++r)
+          for (int64_t t = t0; t < std::min(T, t0 + TILE); ++t)
+            Y[t * N + r] = row_dot_act(fmt, ad, W + r * stride, acts[t], K);
+    });
+    return y;
+  }
+  // A chunk of weight rows against each group of four activation rows in turn: the chunk (about
+  // 16 KB) and the group stay in the first-level cache, and the activations stream from the
+  // second-level cache once a chunk instead of once a weight row.
+  const int64_t chunk = std::max<int64_t>(1, (16 << 10) / stride);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
-      const int64_t t1 = std::min(T, t0 + TILE);
-      for (int64_t r = begin; r < end; ++r) {
-        const uint8_t* row = W + r * stride;
-        if (!rows.r[0]) {
-          for (int64_t t = t0; t < t1; ++t) Y[t * N + r] = row_dot_act(fmt, ad, row, acts[t], K);
-          continue;
-        }
-        for (int64_t t = t0; t < t1; t += 4) {
-          const int n = static_cast<int>(std::min<int64_t>(4, t1 - t));
-          const Act* group[4];
+    for (int64_t r0 = begin; r0 < end; r0 += chunk) {
+      const int64_t r1 = std::min(end, r0 + chunk);
+      for (int64_t t = 0; t < T; t += 4) {
+        const int n = static_cast<int>(std::min<int64_t>(4, T - t));
+        const Act* group[4];
+        for (int j = 0; j < n; ++j) group[j] = &acts[t + j];
+        for (int64_t r = r0; r < r1; ++r) {
           float o[4];
-          for (int j = 0; j < n; ++j) group[j] = &acts[t + j];
-          rows.r[n - 1](row, group, K, o);
+          rows.r[n - 1](W + r * stride, group, K, o);
           for (int j = 0; j < n; ++j) Y[(t + j) * N + r] = o[j];
         }
       }
