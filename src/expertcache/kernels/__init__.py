@@ -340,7 +340,7 @@ class Kernels:
             return self.swiglu(x, w.gate_up, w.down, act)
         if x.shape[0] <= self.act8_rows:
             return self._expert_act8(x, w, act)
-        if isinstance(w.gate_up, QuantTensor):  # fused in the file: one matrix of blocks
+        if isinstance(w.gate_up, QuantTensor):  # one matrix of blocks (fused, or adjacent in one type)
             gate_up = self.dense(w.gate_up, x.dtype)                                   # [2I, D]
         else:  # decoded straight into the two halves of one matrix (no copy to join them)
             I = w.gate.shape[0]
@@ -356,7 +356,12 @@ class Kernels:
         def product(v: torch.Tensor, m) -> torch.Tensor:
             return self.quant.gemm_act8(m.raw, int(m.qtype), v)  # [T, N] fp32
 
-        h = ACTIVATIONS[act](product(x, w.gate)) * product(x, w.up)  # [T, I] fp32
+        if isinstance(w.gate_up, QuantTensor):  # one call: the rows rounded once, each output the same
+            I = w.gate.shape[0]
+            gu = product(x, w.gate_up)                                # [T, 2I] fp32
+            h = ACTIVATIONS[act](gu[:, :I]) * gu[:, I:]               # [T, I] fp32
+        else:
+            h = ACTIVATIONS[act](product(x, w.gate)) * product(x, w.up)  # [T, I] fp32
         return product(h, w.down).to(x.dtype)                        # [T, D]
 
     def dense(self, w, dtype: torch.dtype) -> torch.Tensor:

@@ -84,7 +84,8 @@ def slot_nbytes(formats: list[ExpertFormat], align: int = SLOT_ALIGN_BYTES) -> i
 @dataclass(frozen=True, slots=True)
 class ExpertWeights:
     """Views of one expert's matrices in a slot. `gate_up` [2I, D] is there when gate and up are
-    one float matrix (fused in the file, or adjacent in one dtype), so one product serves both."""
+    one matrix (fused in the file, or adjacent in one dtype or quantization type), so one product
+    serves both."""
 
     gate: Weight     # [I, D]
     up: Weight       # [I, D]
@@ -112,6 +113,6 @@ def expert_weights(row: torch.Tensor, fmt: ExpertFormat) -> ExpertWeights:
     g, u = fmt.matrix("gate"), fmt.matrix("up")
     gate, up = _view(row, g), _view(row, u)
     gate_up = None
-    if not is_quantized(g.storage) and g.storage == u.storage and u.offset == g.offset + g.nbytes:
+    if g.storage == u.storage and g.shape == u.shape and u.offset == g.offset + g.nbytes:
         gate_up = _view(row, MatrixFormat("gate_up", g.storage, (2 * g.shape[0], g.shape[1]), g.offset))
     return ExpertWeights(gate, up, down, gate_up)
