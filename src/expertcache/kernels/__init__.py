@@ -7,8 +7,9 @@ a few hundred small torch ops that each cost a dispatch. torch's one-row bf16 pr
 every weight to fp32 before its multiply-add and streams the weights well below the rate this
 kind of CPU can read them (`tools/gemv_probe.py`). The native kernels multiply bf16 pairs
 directly where the CPU has AVX512-BF16, run a whole wave of a decode step's experts in one call
-instead of five torch ops per expert, and do an RMSNorm (either rounding convention), and all of attention between the two
-projections (q/k norm, rotary, the cache append, softmax over the cache), in one call each.
+instead of five torch ops per expert, and do an RMSNorm (either family's rounding), and all of
+attention between the two projections (q/k norm, rotary, the cache append, softmax over the
+cache), in one call each.
 Over quantized blocks (GGUF files, whose dense matrices then stay blocks too: `QuantTensor`,
 `linear_blocks`) a decode step rounds each product's input to 8 bits per block and multiplies
 integer blocks, as llama.cpp does (`--activations`, `ACTIVATIONS_CHOICES`). The native kernels:
@@ -159,10 +160,10 @@ def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bo
     # matrix instructions (AVX512-BF16, AMX) that holds up to 8 rows, and more rows multiply the
     # exact rows by the weights decoded to bf16. Where it has not, a bf16 GEMM is widened to fp32
     # (`WIDE_ROWS`): a single product of many rows can still be faster that way (Q4_K [1536, 2048]
-    # at 512 rows, 2 threads, AVX2: 132 against 92 GFLOP/s), but a whole prompt is not, with each
+    # at 512 rows, 2 threads, AVX2: 143 against 131 GFLOP/s), but a whole prompt is not, with each
     # matrix decoded per call and most expert products a few dozen rows (512 tokens on Qwen3-30B
-    # shapes, Q4_K_M: 437 tok/s all q8, 365-407 up to 32 rows, 277-291 exact; Gemma 4 shapes
-    # 163, 139-157, 134-146), so there every product takes the integer kernels.
+    # shapes, Q4_K_M, at d0c1738: 437 tok/s all q8, 365-407 up to 32 rows, 277-291 exact; Gemma 4
+    # shapes 163, 139-157, 134-146), so there every product takes the integer kernels.
     if quantized and activations == "q8":
         chosen.act8_rows = ALL_ROWS
     elif quantized and activations == "auto" and isinstance(chosen, NativeKernels):

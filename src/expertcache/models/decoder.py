@@ -9,10 +9,9 @@ T = tokens, D = hidden, V = vocabulary.
 
 from __future__ import annotations
 
-from functools import partial
-
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 

@@ -39,8 +39,7 @@ def router_input(decoder, layer: int, h: torch.Tensor) -> torch.Tensor:
     if lw.block is None:
         return decoder.norm(h, lw.post_norm, decoder.cfg.rms_norm_eps)  # [T, D]
     if isinstance(lw.block, ParallelFFN):
-        b = lw.block
-        return b.router_input(decoder.kernels, h, lw.block_w)  # [T, D]
+        return lw.block.router_input(decoder.kernels, h, lw.block_w)  # [T, D]
     raise ExpertCacheError(f"layer {layer}: no predictor for a feed-forward block of type "
                            f"{type(lw.block).__name__}")
 
