@@ -162,8 +162,8 @@ def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bo
     # (`WIDE_ROWS`): a single product of many rows can still be faster that way (Q4_K [1536, 2048]
     # at 512 rows, 2 threads, AVX2: 143 against 131 GFLOP/s), but a whole prompt is not, with each
     # matrix decoded per call and most expert products a few dozen rows (512 tokens on Qwen3-30B
-    # shapes, Q4_K_M, at d0c1738: 437 tok/s all q8, 365-407 up to 32 rows, 277-291 exact; Gemma 4
-    # shapes 163, 139-157, 134-146), so there every product takes the integer kernels.
+    # shapes, Q4_K_M: 323-466 tok/s q8 against 242-271 exact; Gemma 4 shapes 172-191 against
+    # 118-150; docs/benchmarks.md), so there every product takes the integer kernels.
     if quantized and activations == "q8":
         chosen.act8_rows = ALL_ROWS
     elif quantized and activations == "auto" and isinstance(chosen, NativeKernels):

@@ -159,12 +159,16 @@ void check_rows(const torch::Tensor& t, const char* what) {
 
 // Row i of x [R, C] scaled to unit root-mean-square, then by w (one row [C], or one per row
 // [R, C]): in fp32, rounded to bf16, times w, rounded again, as torch does it on bf16 tensors.
+// 1 / sqrt(mean(x^2) + eps) of a row, the sum of squares summed as any row's product is.
+inline float inv_rms(const uint16_t* x, int64_t C, double eps) {
+  return 1.f / std::sqrt(dot(x, x, C) / static_cast<float>(C) + static_cast<float>(eps));
+}
+
 void rms_rows(const uint16_t* x, const uint16_t* w, bool per_row, int64_t R, int64_t C, double eps, uint16_t* y) {
   for (int64_t i = 0; i < R; ++i) {
     const uint16_t* xi = x + i * C;
     const uint16_t* wi = per_row ? w + i * C : w;
-    const float ss = dot(xi, xi, C);  // the sum of squares, as any row's product is summed
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + static_cast<float>(eps));
+    const float inv = inv_rms(xi, C, eps);
     for (int64_t c = 0; c < C; ++c)
       y[i * C + c] = bf16(widen(wi[c]) * widen(bf16(widen(xi[c]) * inv).x)).x;
   }
@@ -191,26 +195,21 @@ torch::Tensor rms_norm_scaled(const torch::Tensor& x, const c10::optional<torch:
   TORCH_CHECK(x.dim() == 2, "x: expected [rows, columns]");
   const int64_t R = x.size(0), C = x.size(1);
   const bool has_w = w.has_value() && w->defined();
-  std::vector<float> scale(has_w ? C : 0);
-  if (has_w) {
+  if (has_w)
     TORCH_CHECK(w->device().is_cpu() && w->is_contiguous() && w->dim() == 1 && w->size(0) == C &&
                     (w->scalar_type() == torch::kFloat32 || w->scalar_type() == torch::kBFloat16),
                 "weight: expected a contiguous float32 or bfloat16 CPU tensor [", C, "]");
-    if (w->scalar_type() == torch::kFloat32) std::memcpy(scale.data(), w->data_ptr<float>(), C * 4);
-    else {
-      const uint16_t* wb = bits(*w);
-      for (int64_t c = 0; c < C; ++c) scale[c] = widen(wb[c]);
-    }
-  }
+  const float* wf = has_w && w->scalar_type() == torch::kFloat32 ? w->data_ptr<float>() : nullptr;
+  const uint16_t* wb = has_w && !wf ? bits(*w) : nullptr;
   auto y = torch::empty_like(x);
   const uint16_t* X = bits(x);
   uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<bf16>());
   for (int64_t i = 0; i < R; ++i) {
     const uint16_t* xi = X + i * C;
-    const float inv = 1.f / std::sqrt(dot(xi, xi, C) / static_cast<float>(C) + static_cast<float>(eps));
+    const float inv = inv_rms(xi, C, eps);
     for (int64_t c = 0; c < C; ++c) {
       const float v = widen(xi[c]) * inv;
-      Y[i * C + c] = bf16(has_w ? v * scale[c] : v).x;
+      Y[i * C + c] = bf16(wf ? v * wf[c] : wb ? v * widen(wb[c]) : v).x;
     }
   }
   return y;
