@@ -71,6 +71,14 @@ def test_bench_cache_prints_table_and_json(synth_model, capsys):
     staging, cache = out["results"][1]["decode"], out["results"][2]["decode"]
     assert staging["hit_rate"] == 0 and staging["copied_bytes_per_token"] > cache["copied_bytes_per_token"]
     assert out["results"][0]["decode"]["copied_bytes_per_token"] == 0
+    assert out["device"] == "cpu" and {r["device"] for r in out["results"]} == {"cpu"}
+
+
+@pytest.mark.parametrize("device,needle", [("cuda:99", "cuda:99"), ("meta", "not supported")])
+def test_bench_cache_refuses_a_device_it_cannot_use_in_one_line(synth_model, capsys, device, needle):
+    from conftest import assert_one_line_error, run_cli
+
+    assert_one_line_error(*run_cli(capsys, "bench", "cache", "-m", str(synth_model), "--device", device), needle)
 
 
 def test_bench_speed_prints_table_and_json(synth_model, capsys):

@@ -34,7 +34,8 @@ def run_one(spec: dict) -> dict:
                         policy=spec.get("policy") or CacheConfig().policy, prefetch=spec.get("prefetch", "auto"),
                         prefetch_width=spec.get("prefetch_width", 1.0))
     t0 = time.perf_counter()
-    model = expertcache.load(spec["model"], dtype=spec.get("dtype"), cache=cache,
+    device = spec.get("device", "cpu")
+    model = expertcache.load(spec["model"], device=device, dtype=spec.get("dtype"), cache=cache,
                              ctx_size=spec["prefill"] + spec["decode"] + 8, kernels=spec.get("kernels", "torch"),
                              activations=spec.get("activations", "auto"), prefill_stretch=spec.get("prefill_stretch", 4096), prefill_mem=spec.get("prefill_mem"))
     load_s = time.perf_counter() - t0
@@ -55,10 +56,15 @@ def run_one(spec: dict) -> dict:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.cfg.vocab_size, (spec["prefill"],), generator=gen).tolist()
 
+    # A GPU runs its kernels asynchronously: time up to the end of the work, not its launch.
+    sync = torch.cuda.synchronize if model.net.device.type == "cuda" else (lambda: None)
+
     def phase(fn):
         before = model.telemetry()
+        sync()
         t = time.perf_counter()
         n = fn()
+        sync()
         dt = time.perf_counter() - t
         after = model.telemetry()
         tot_b, tot_a = before["total"], after["total"]
@@ -102,7 +108,7 @@ def run_one(spec: dict) -> dict:
     from ..telemetry import peak_rss_bytes
 
     tel = model.telemetry()
-    return {"mode": spec["mode"], "store": spec["store"], "fraction": spec.get("fraction"),
+    return {"mode": spec["mode"], "store": spec["store"], "fraction": spec.get("fraction"), "device": str(model.net.device),
             "prefetch": model.experts.predict is not None, "prefetch_width": cache.prefetch_width,
             "capacity": tel["capacity"], "total_experts": tel["total_experts"], "expert_bytes": tel["expert_bytes"],
             "policy": tel["policy"], "load_seconds": load_s, "prefill": prefill, "decode": dec,
@@ -198,7 +204,7 @@ def configurations(args) -> list[dict]:
     base = {"model": args.model, "threads": args.threads, "prefill": args.prefill, "decode": args.decode,
             "ubatch": args.ubatch, "dtype": args.dtype, "policy": args.cache_policy, "route_trace": args.route_trace,
             "kernels": args.kernels, "activations": args.activations, "prefill_stretch": args.prefill_stretch, "prefill_mem": args.prefill_mem,
-            "prefetch_width": args.prefetch_width}
+            "prefetch_width": args.prefetch_width, "device": args.device}
     prefetch = ["off", "on"] if args.prefetch == "both" else [args.prefetch]
     specs = []
     for store in args.stores.split(","):
@@ -242,7 +248,10 @@ def cmd_bench_cache(args) -> int:
     from ..models.loader import open_model
     from ..errors import ExpertCacheError
 
-    open_model(args.model)  # bad paths fail here, with one line
+    from ..engine import _device
+
+    open_model(args.model)  # bad paths and devices fail here, with one line
+    _device(args.device)
     for s in args.stores.split(","):
         if s not in ("ram", "mmap", "disk"):
             raise ExpertCacheError(f"unknown store {s!r} in --stores: expected ram, mmap, disk")
@@ -257,7 +266,8 @@ def cmd_bench_cache(args) -> int:
                                    f"{p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
         rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
     print(table(rows))
-    print(json.dumps({"bench": "cache", "model": str(args.model), "threads": args.threads, "kernels": args.kernels,
+    print(json.dumps({"bench": "cache", "model": str(args.model), "device": args.device, "threads": args.threads,
+                      "kernels": args.kernels,
                       "prefill_tokens": args.prefill, "decode_tokens": args.decode, "results": rows}))
     return 0
 
@@ -288,6 +298,7 @@ def add_parser(suites) -> None:
     add_prefill_flags(p)
     p.add_argument("-t", "--threads", type=positive_int, default=torch.get_num_threads())
     p.add_argument("--dtype")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default: cpu)")
     add_kernels_flag(p)
     p.add_argument("--cache-policy", default=None, help="eviction policy (default: the runtime's)")
     p.add_argument("--route-trace", help="force routing to follow a recorded trace (expertcache trace record); "

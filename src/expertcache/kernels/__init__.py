@@ -345,7 +345,7 @@ class Kernels:
             gate_up = self.dense(w.gate_up, x.dtype)                                   # [2I, D]
         else:  # decoded straight into the two halves of one matrix (no copy to join them)
             I = w.gate.shape[0]
-            gate_up = torch.empty((2 * I, w.gate.shape[1]), dtype=x.dtype)
+            gate_up = torch.empty((2 * I, w.gate.shape[1]), dtype=x.dtype, device=x.device)
             self.dense_into(w.gate, gate_up[:I])
             self.dense_into(w.up, gate_up[I:])
         return self.swiglu(x, gate_up, self.dense(w.down, x.dtype), act)
