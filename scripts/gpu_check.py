@@ -20,6 +20,8 @@
    the run's routing and predictions; a prefetch worker slowed down or failing (the disk store's
    read hook) changes no bit and leaves every resident slot holding its expert's bytes.
    `--only-prefetch` runs this check alone.
+5. `--profile` (alone): torch's profiler over decode steps on the Qwen3-30B-A3B shapes, resident
+   and cached, the ops by host time beside device time (where a step's time goes on this device).
 Prints a table for each; exits 1 if any check fails.
 """
 
@@ -223,7 +225,11 @@ def long_prompt(device: str, root: Path) -> tuple[list[tuple[str, bool, str]], l
     for mode, frac, stretch in (("resident", None, 4096), ("cache", 0.25, 4096), ("cache", 0.25, 512)):
         model = expertcache.load(path, device=device, cache=CacheConfig(mode=mode, fraction=frac, store="ram"),
                                  ctx_size=4200, prefill_stretch=stretch)
-        model.generate(prompt[:8], max_tokens=2, ignore_eos=True)  # warm-up
+        # Warm-up on the same prompt: the first products of each shape pay for the device's
+        # one-time costs (kernel loading, allocator growth), which are not the prompt's.
+        model.prefill(model.new_session(), prompt)
+        if mode == "cache":
+            model.experts.resize(model.experts.config)  # every slot emptied: the timed prompt starts cold
         sync()
         t = time.perf_counter()
         model.prefill(model.new_session(), prompt)
@@ -271,12 +277,45 @@ def quantized(device: str) -> list[tuple[str, bool, str]]:
     return rows
 
 
+def profile_decode(device: str, root: Path, threads: int) -> None:
+    """Where a decode step's time goes on this device: torch's profiler over 8 steps of the
+    Qwen3-30B-A3B-shaped checkpoint, resident and with the cache at 25%, the ops by their own host
+    time (launch and synchronisation costs show there) beside their device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    path = _qwen3_30b_shapes(root)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for mode, frac in (("resident", None), ("cache", 0.25)):
+        model = expertcache.load(path, device=device, cache=CacheConfig(mode=mode, fraction=frac, store="ram"),
+                                 ctx_size=256)
+        s = model.new_session()
+        tok = int(model.prefill(s, list(range(1, 65))).argmax())
+        for _ in range(8):  # warm-up: first-call costs are not the step's
+            tok = int(model.prefill(s, [tok]).argmax())
+        sync()
+        t = time.perf_counter()
+        with profile(activities=activities) as prof:
+            for _ in range(8):
+                tok = int(model.prefill(s, [tok]).argmax())
+            sync()
+        wall = (time.perf_counter() - t) / 8
+        events = prof.key_averages()
+        n_ops = sum(e.count for e in events if e.key.startswith("aten::")) / 8
+        print(f"\ndecode step, {mode}{'' if frac is None else f' {frac:.0%}'}: {wall * 1e3:.2f} ms under the profiler, "
+              f"{n_ops:.0f} aten calls per step")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=40))
+        del model
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--only-prefetch", action="store_true", help="run the prefetch checks alone")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile decode steps (torch's profiler) on Qwen3-30B-A3B shapes, and nothing else")
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible to torch", file=sys.stderr)
@@ -285,6 +324,9 @@ def main() -> int:
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"device {name}, torch {torch.__version__}, threads {args.threads}")
     with tempfile.TemporaryDirectory() as tmp:
+        if args.profile:
+            profile_decode(args.device, Path(tmp), args.threads)
+            return 0
         t0 = time.perf_counter()
         if args.only_prefetch:
             rows = prefetch_checks(args.device, Path(tmp))
