@@ -4,8 +4,8 @@ replay forces the recorded routing."""
 from __future__ import annotations
 
 import json
+import os
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -109,14 +109,24 @@ def test_median_ratio_pairs_each_run_with_its_partner():
         median_ratio([1.0, 2.0], [1.0])
 
 
-class FakeLlama:
-    """Stands in for llama_cpp.Llama: records what it is asked to evaluate, in order."""
-    calls: list = []
+# Stands in for llama_cpp.Llama in the child process bench speed runs llama.cpp in (found there
+# through sys.path, which a spawned child inherits): it records what it is asked to evaluate, in
+# order, one line per call in the file $FAKE_LLAMA_CALLS.
+FAKE_LLAMA = """
+import os
+import numpy as np
 
+
+def _log(*what):
+    with open(os.environ["FAKE_LLAMA_CALLS"], "a") as f:
+        f.write(" ".join(map(str, what)) + "\\n")
+
+
+class Llama:
     def __init__(self, model_path, n_ctx, **kw):
         self.n_ctx, self.n_tokens = n_ctx, 0
         self.scores = np.zeros((n_ctx, 300), dtype=np.float32)
-        FakeLlama.calls.append(("load", model_path))
+        _log("load", model_path, os.getpid())
 
     def reset(self):
         self.n_tokens = 0
@@ -124,12 +134,17 @@ class FakeLlama:
     def eval(self, tokens):
         assert self.n_tokens + len(tokens) <= self.n_ctx
         self.n_tokens += len(tokens)
-        FakeLlama.calls.append(("eval", len(tokens)))
+        _log("eval", len(tokens))
+"""
 
 
 def test_bench_speed_vs_llamacpp_alternates_pairs(synth_model, capsys, monkeypatch, tmp_path):
-    FakeLlama.calls = []
-    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "llama_cpp.py").write_text(FAKE_LLAMA)
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    calls = tmp_path / "calls.txt"
+    monkeypatch.setenv("FAKE_LLAMA_CALLS", str(calls))
     gguf = tmp_path / "w.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
     assert main(["bench", "speed", "-m", str(synth_model), "--fractions", "0.5", "--prefill", "16,32",
@@ -140,12 +155,29 @@ def test_bench_speed_vs_llamacpp_alternates_pairs(synth_model, capsys, monkeypat
     for k, v in lc["runs"].items():
         assert len(v["ours"]) == len(v["llamacpp"]) == 3
         assert lc["ratios"][k] == median_ratio(v["ours"], v["llamacpp"])
+    lines = [line.split() for line in calls.read_text().splitlines()]
+    # loaded once, in another process than ours
+    assert lines[0][:2] == ["load", str(gguf)] and int(lines[0][2]) != os.getpid()
     # one untimed warm-up of the longest prompt, then per pair: decode (64-token prompt + 3 steps),
     # and each prefill twice (untimed, timed)
-    evals = [n for c, n in FakeLlama.calls if c == "eval"]
-    assert FakeLlama.calls[0] == ("load", str(gguf))
+    evals = [int(n) for c, n, *_ in lines[1:] if c == "eval"]
     assert evals == [32, 32] + 3 * ([64, 1, 1, 1] + [16, 16, 32, 32])
     assert "ratios (ours / llama.cpp): decode" in text
+
+
+def test_bench_speed_vs_llamacpp_says_in_one_line_when_llamacpp_cannot_load(synth_model, capsys, monkeypatch,
+                                                                            tmp_path):
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "llama_cpp.py").write_text(
+        "class Llama:\n    def __init__(self, model_path, **kw):\n"
+        "        raise ValueError(f'Failed to load model from file: {model_path}')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    gguf = tmp_path / "w.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    code, err = run_cli(capsys, "bench", "speed", "-m", str(synth_model), "--fractions", "0.5", "--prefill", "16",
+                        "--decode", "2", "-t", "1", "--vs-llamacpp", str(gguf), "--pairs", "1")
+    assert_one_line_error(code, err, "llama.cpp could not load it", "w.gguf")
 
 
 def test_bench_speed_vs_llamacpp_rejects_a_bad_file_before_running(synth_model, capsys, tmp_path):

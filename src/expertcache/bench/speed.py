@@ -12,8 +12,9 @@ to what the machine can do.
   mode (kept loaded for this) and the median of the pairs' ratios reported.
 - The per-token cost outside the matrix products (Python, dispatch, bookkeeping), from the torch
   profiler, and the cache's own bookkeeping per MoE op as a fraction of the step.
-- `--vs-llamacpp FILE.gguf` runs llama.cpp (llama-cpp-python) on the same weights in the same run,
-  alternating with our resident mode `--pairs` times, and reports the median of the pairs' ratios.
+- `--vs-llamacpp FILE.gguf` runs llama.cpp (llama-cpp-python, in a child process) on the same
+  weights in the same run, alternating with our resident mode `--pairs` times, and reports the
+  median of the pairs' ratios.
 Table, then one JSON line.
 """
 
@@ -23,6 +24,7 @@ import dataclasses
 
 import gc
 import json
+import multiprocessing
 import statistics
 import sys
 import time
@@ -274,16 +276,82 @@ class LlamaCpp:
         return n / (time.perf_counter() - t)
 
 
+class LlamaCppProcess:
+    """`LlamaCpp` in a child process, answering one call at a time over a pipe.
+
+    In one process the two engines' OpenMP runtimes (torch's and llama.cpp's own) both spin on the
+    cores after their parallel regions, each slowing the other's next run several-fold; setting
+    `OMP_WAIT_POLICY=PASSIVE` stops that but wakes every thread from sleep at each of our many
+    parallel regions per step (~0.1 ms each with 2 threads). Apart, each side runs as its users
+    run it, with the default policy."""
+
+    def __init__(self, gguf: str, threads: int, n_ctx: int) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no copy of our threads' state in the child
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_llamacpp_worker, args=(child, gguf, threads, n_ctx), daemon=True,
+                                 name="expertcache-llamacpp")
+        self._proc.start()
+        child.close()
+        self._reply()  # loaded, or why not
+
+    def _reply(self):
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise ExpertCacheError(f"--vs-llamacpp: llama.cpp's process ended unexpectedly "
+                                   f"(exit code {self._proc.exitcode})") from None
+        if kind == "error":
+            raise ExpertCacheError(value)
+        return value
+
+    def _call(self, name: str, *args):
+        self._conn.send((name, args))
+        return self._reply()
+
+    def prefill(self, tokens: list[int]) -> float:
+        return self._call("prefill", tokens)
+
+    def decode(self, prompt: list[int], n: int) -> float:
+        return self._call("decode", prompt, n)
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._conn.send(None)
+            except OSError:
+                pass
+            self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
+
+
+def _llamacpp_worker(conn, gguf: str, threads: int, n_ctx: int) -> None:
+    try:
+        lc = LlamaCpp(gguf, threads, n_ctx)
+    except ExpertCacheError as e:
+        conn.send(("error", str(e)))
+        return
+    conn.send(("ok", None))
+    while (msg := conn.recv()) is not None:
+        name, args = msg
+        try:
+            conn.send(("ok", getattr(lc, name)(*args)))
+        except Exception as e:  # noqa: BLE001 (said in the parent, in one line)
+            conn.send(("error", f"--vs-llamacpp: llama.cpp failed in {name}: {e}"))
+
+
 def median_ratio(ours: list[float], theirs: list[float]) -> float:
     """The median of the per-pair ratios ours[i] / theirs[i]: each pair ran back to back, so the
     host's load, which changes from minute to minute, weighs on both sides of a ratio alike."""
     return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
 
 
-def side_by_side(model, gguf: str, threads: int, prompt: list[int], decode: int, prefills: list[int],
-                 ubatch: int, pairs: int) -> dict:
+def side_by_side(model, lc: LlamaCppProcess, prompt: list[int], decode: int, prefills: list[int], ubatch: int,
+                 pairs: int) -> dict:
     """Alternate ours (resident) and llama.cpp `pairs` times on each measurement."""
-    lc = LlamaCpp(gguf, threads, n_ctx=max(prefills) + decode + 72)
     # llama.cpp maps the GGUF and reads weights on first touch; ours filled its slots at load. One
     # untimed pass of the longest prompt touches (nearly) every expert, so neither side pays that.
     lc.prefill(prompt[:max(prefills)])
@@ -299,6 +367,17 @@ def side_by_side(model, gguf: str, threads: int, prompt: list[int], decode: int,
 
 
 def run(args) -> dict:
+    # Loaded first, so that a file llama.cpp refuses fails before the benchmark rather than after.
+    lc = (LlamaCppProcess(args.vs_llamacpp, args.threads, n_ctx=max(args.prefill) + args.decode + 72)
+          if args.vs_llamacpp else None)
+    try:
+        return _run(args, lc)
+    finally:
+        if lc is not None:
+            lc.close()
+
+
+def _run(args, lc: LlamaCppProcess | None) -> dict:
     import expertcache
     from expertcache import CacheConfig
 
@@ -343,9 +422,8 @@ def run(args) -> dict:
     out = {"bench": "speed", "model": str(args.model), "threads": args.threads, "pairs": args.pairs,
            "kernels": args.kernels, "activations": _activations(resident),
            "machine": machine, "results": results}
-    if args.vs_llamacpp:
-        out["llamacpp"] = side_by_side(resident, args.vs_llamacpp, args.threads, prompt, args.decode, args.prefill,
-                                       args.ubatch, args.pairs)
+    if lc is not None:
+        out["llamacpp"] = side_by_side(resident, lc, prompt, args.decode, args.prefill, args.ubatch, args.pairs)
     return out
 
 
