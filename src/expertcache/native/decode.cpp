@@ -280,6 +280,112 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& qk_norm, dou
   return y;
 }
 
+// A float32 or bfloat16 vector's element i as fp32 (the weights of a DeltaNet layer come in
+// either, by checkpoint).
+struct Floats {
+  const float* f = nullptr;
+  const uint16_t* b = nullptr;
+  explicit Floats(const torch::Tensor& t, const char* what) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() &&
+                    (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16),
+                what, ": expected a contiguous float32 or bfloat16 CPU tensor");
+    if (t.scalar_type() == torch::kFloat32) f = t.data_ptr<float>();
+    else b = bits(t);
+  }
+  float operator[](int64_t i) const { return f ? f[i] : widen(b[i]); }
+};
+
+inline float round_bf16(float v) { return widen(bf16(v).x); }
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+// One decode step of a Gated DeltaNet layer (models/deltanet.py), from its projections to the
+// gated norm's output, in one call where torch takes about forty:
+//   qkv [C] (C = 2 Hk dk + Hv dv) and z [Hv dv], b, a [Hv]: the input projections, bf16;
+//   conv_w [C, K]: the depthwise causal conv; conv [C, K-1] bf16: its last K-1 inputs, shifted;
+//   A, dt_bias [Hv]; norm [dv]: the gated RMSNorm's weight; S [Hv, dk, dv] fp32: the state.
+// Each step rounds where torch's does (the conv's sum and SiLU to bf16, beta's sigmoid in bf16,
+// the output and the normalised output to bf16); the state update reads S twice and writes it
+// once: predicted = k.(S e^g), then S = S e^g + k (x) beta (v - predicted) and o = q.S in one
+// pass. Value head h reads key head h / (Hv/Hk) (grouped) or h % Hk (tiled). Returns [Hv dv] bf16.
+torch::Tensor deltanet_step(const torch::Tensor& qkv, const torch::Tensor& z, const torch::Tensor& b,
+                            const torch::Tensor& a, const torch::Tensor& conv_w, const torch::Tensor& conv,
+                            const torch::Tensor& A, const torch::Tensor& dt_bias, const torch::Tensor& norm,
+                            const torch::Tensor& S, int64_t Hk, bool tiled, double eps) {
+  for (const torch::Tensor* t : {&qkv, &z, &b, &a, &conv}) check_rows(*t, "deltanet input");
+  TORCH_CHECK(S.device().is_cpu() && S.scalar_type() == torch::kFloat32 && S.is_contiguous() && S.dim() == 3,
+              "state: expected a contiguous float32 CPU tensor [Hv, dk, dv]");
+  const int64_t Hv = S.size(0), dk = S.size(1), dv = S.size(2), C = qkv.numel(), K = conv_w.size(-1);
+  TORCH_CHECK(Hk > 0 && Hv % Hk == 0 && C == 2 * Hk * dk + Hv * dv && z.numel() == Hv * dv && b.numel() == Hv &&
+                  a.numel() == Hv && A.numel() == Hv && dt_bias.numel() == Hv && norm.numel() == dv &&
+                  conv_w.numel() == C * K && conv.numel() == C * (K - 1),
+              "deltanet_step: shapes do not match Hk=", Hk, " Hv=", Hv, " dk=", dk, " dv=", dv, " C=", C);
+  const Floats W(conv_w, "conv weight"), Af(A, "A"), dt(dt_bias, "dt_bias"), nw(norm, "norm weight");
+  const bool norm_bf16 = norm.scalar_type() == torch::kBFloat16;
+  const uint16_t *X = bits(qkv), *Z = bits(z), *B = bits(b), *Ain = bits(a);
+  uint16_t* cs = reinterpret_cast<uint16_t*>(conv.data_ptr<bf16>());
+  // The conv over the K-1 kept inputs and this one, summed in fp32 in tap order; then SiLU.
+  std::vector<float> mixed(C);
+  for (int64_t c = 0; c < C; ++c) {
+    uint16_t* row = cs + c * (K - 1);
+    float y = 0.f;
+    for (int64_t j = 0; j < K; ++j) {
+      const float p = widen(j < K - 1 ? row[j] : X[c]) * W[c * K + j];
+      y = j ? y + p : p;
+    }
+    mixed[c] = round_bf16(silu(round_bf16(y)));
+    for (int64_t j = 0; j + 1 < K - 1; ++j) row[j] = row[j + 1];
+    if (K > 1) row[K - 2] = X[c];
+  }
+  // q and k L2-normalised per key head (q then scaled by dk^-1/2), in fp32.
+  const float qscale = 1.f / std::sqrt(static_cast<float>(dk));
+  for (int64_t part = 0; part < 2; ++part)
+    for (int64_t h = 0; h < Hk; ++h) {
+      float* v = mixed.data() + part * Hk * dk + h * dk;
+      float ss = 0.f;
+      for (int64_t i = 0; i < dk; ++i) ss += v[i] * v[i];
+      const float inv = 1.f / std::sqrt(ss + 1e-6f);
+      for (int64_t i = 0; i < dk; ++i) v[i] = part ? v[i] * inv : (v[i] * inv) * qscale;
+    }
+  auto y = torch::empty({Hv * dv}, qkv.options());
+  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<bf16>());
+  float* St = S.data_ptr<float>();
+  const int64_t R = Hv / Hk;
+  at::parallel_for(0, Hv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> pred(dv), o(dv);
+    for (int64_t h = begin; h < end; ++h) {
+      const int64_t kh = tiled ? h % Hk : h / R;
+      const float* q = mixed.data() + kh * dk;
+      const float* k = mixed.data() + Hk * dk + kh * dk;
+      const float* v = mixed.data() + 2 * Hk * dk + h * dv;
+      const float beta = round_bf16(1.f / (1.f + std::exp(-widen(B[h]))));
+      const float x = widen(Ain[h]) + dt[h];
+      const float decay = std::exp(Af[h] * (x > 20.f ? x : std::log1p(std::exp(x))));
+      float* s = St + h * dk * dv;
+      std::fill(pred.begin(), pred.end(), 0.f);
+      for (int64_t i = 0; i < dk; ++i)
+        for (int64_t j = 0; j < dv; ++j) pred[j] += k[i] * (s[i * dv + j] * decay);
+      for (int64_t j = 0; j < dv; ++j) pred[j] = (v[j] - pred[j]) * beta;  // the delta
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t i = 0; i < dk; ++i)
+        for (int64_t j = 0; j < dv; ++j) {
+          const float n = s[i * dv + j] * decay + k[i] * pred[j];
+          s[i * dv + j] = n;
+          o[j] += q[i] * n;
+        }
+      // Gated RMSNorm of the head's output (rounded to bf16 first), weight as is, times SiLU(z).
+      float ss = 0.f;
+      for (int64_t j = 0; j < dv; ++j) ss += (o[j] = round_bf16(o[j])) * o[j];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dv) + static_cast<float>(eps));
+      for (int64_t j = 0; j < dv; ++j) {
+        const float xn = round_bf16(o[j] * inv);
+        const float scaled = norm_bf16 ? round_bf16(nw[j] * xn) : nw[j] * xn;
+        Y[h * dv + j] = bf16(scaled * silu(widen(Z[h * dv + j]))).x;
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 // Each call releases Python's lock while it runs: it touches tensors only, and other threads
@@ -300,5 +406,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_scaled", &rms_norm_scaled, "RMSNorm of each row of x [R, C] scaled in fp32 by weight [C] (or none), rounded once",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("attend", &attend, "decode attention for one token: q/k norm, rotary, kv append, softmax(qk)v",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("deltanet_step", &deltanet_step, "one Gated DeltaNet decode step: conv, normalised q/k, state update, gated norm",
         py::call_guard<py::gil_scoped_release>());
 }
