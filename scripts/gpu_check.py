@@ -20,7 +20,18 @@
    the run's routing and predictions; a prefetch worker slowed down or failing (the disk store's
    read hook) changes no bit and leaves every resident slot holding its expert's bytes.
    `--only-prefetch` runs this check alone.
-5. `--profile` (alone): torch's profiler over decode steps on the Qwen3-30B-A3B shapes, resident
+5. Qwen3.5/3.6-MoE (Gated DeltaNet, gated attention, a shared expert) and Gemma 4 (sliding window
+   of 16, a dense MLP beside the experts, k-eq-v), each a tiny random fp32 checkpoint and a GGUF
+   computed in bf16 (Q8_0 from llama.cpp's converter; Q4_K_M from synth): on a 150-token prompt
+   (three DeltaNet chunks, past the window), logits and the prompt in stretches of 48 and
+   micro-batches of 16 bitwise equal to the resident mode's in staging mode (each store) and
+   cache mode at 1 expert, 25% and all, with lrfu and lru and prefetch on and off (the three
+   stores in turn); at 1 expert and 25% with lrfu, also 16 decode steps (`prefill` one token at
+   a time) and greedy tokens. In fp32, micro-batches and decode steps within 1e-4 of one forward
+   over the same tokens (largest difference over the largest logit; sums in another order, so
+   not bitwise).
+   `--only-architectures` runs this check alone.
+6. `--profile` (alone): torch's profiler over decode steps on the Qwen3-30B-A3B shapes, resident
    and cached, the ops by host time beside device time (where a step's time goes on this device).
 Prints a table for each; exits 1 if any check fails.
 """
@@ -32,15 +43,19 @@ import dataclasses
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 import expertcache
 from expertcache import CacheConfig, ExpertCacheError
+from expertcache.models.mixers import describe_layers
 from expertcache.models.pack import pack
 from expertcache.models.synth import synth
 from expertcache.tiers.policy import ExpertKey, POLICIES
+
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "gguf"
 
 
 def exactness(device: str, root: Path) -> list[tuple[str, bool, str]]:
@@ -248,10 +263,9 @@ def quantized(device: str) -> list[tuple[str, bool, str]]:
     from expertcache.checkpoint.storage import is_quantized
     from expertcache.kernels.dequant import dequantize
 
-    fixtures = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "gguf"
     n = bad = 0
     first_bad = ""
-    for path in sorted(fixtures.glob("*.gguf")):
+    for path in sorted(FIXTURES.glob("*.gguf")):
         gg = GGUFCheckpoint(path)
         for name, info in gg.tensors.items():
             if not is_quantized(info.storage):
@@ -264,7 +278,7 @@ def quantized(device: str) -> list[tuple[str, bool, str]]:
                 bad += 1
                 first_bad = first_bad or f"{path.name}:{name} ({info.storage.name})"
     rows = [(f"GPU dequantization == CPU's, bitwise: {n - bad}/{n} tensors", bad == 0 and n > 0, first_bad)]
-    model_path = fixtures / "qwen3_moe-mix.gguf"
+    model_path = FIXTURES / "qwen3_moe-mix.gguf"
     ids = torch.randint(0, 4096, (48,), generator=torch.Generator().manual_seed(1))
     for dtype in ("float32", "bfloat16"):
         base = expertcache.load(model_path, device=device, dtype=dtype).logits(ids)
@@ -274,6 +288,120 @@ def quantized(device: str) -> list[tuple[str, bool, str]]:
               for c in configs]
         bad_cfg = next((f"{c.mode} experts={c.experts} {c.store}" for c, o in zip(configs, ok) if not o), "")
         rows.append((f"GGUF (quantized experts) bitwise across modes, {dtype}: {sum(ok)}/{len(ok)}", all(ok), bad_cfg))
+    return rows
+
+
+# Tiny shapes of the two newer families (synth's presets, made small): Qwen3.5/3.6-MoE with three
+# Gated DeltaNet layers (2 key, 4 value heads) and one gated attention layer; Gemma 4 with three
+# sliding-window layers (a window of WINDOW tokens) and one full layer (k-eq-v, its own head size).
+WINDOW = 16
+QWEN35_TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                   linear_value_head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                   max_position_embeddings=1024)
+GEMMA4_TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                   num_global_key_value_heads=1, sliding_window=WINDOW, moe_intermediate_size=32,
+                   intermediate_size=48, max_position_embeddings=1024)
+# As a Q4_K_M GGUF: rows of 256 weights, so that the recipe's Q4_K and Q6_K blocks are what is
+# written (narrower rows fall back to Q5_0 and Q8_0).
+GEMMA4_TINY_Q = {**GEMMA4_TINY, "hidden_size": 256, "head_dim": 64, "global_head_dim": 128,
+                 "moe_intermediate_size": 256, "intermediate_size": 256}
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference relative to the largest logit."""
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def architectures(device: str, root: Path) -> list[tuple[str, bool, str]]:
+    """Qwen3.5/3.6-MoE (DeltaNet, gated attention, shared expert) and Gemma 4 (sliding window,
+    dense MLP beside the experts, k-eq-v): tiny random checkpoints in fp32 and their GGUF forms in
+    bf16 (the default compute dtype of quantized files; Q8_0 from llama.cpp's converter, Q4_K_M
+    from synth). A 150-token prompt: more than Gemma's window and three DeltaNet chunks of 64."""
+    from expertcache.models.synth_gguf import synth_gguf
+
+    models = [
+        ("qwen3.5-moe", synth(root / "qwen35-tiny", like="qwen3.6-35b-a3b", layers=4, experts=16, top_k=4,
+                              vocab=512, dtype="float32", progress=False, overrides=QWEN35_TINY), "float32"),
+        ("gemma4", synth(root / "gemma4-tiny", like="gemma-4-26b-a4b", layers=4, experts=16, top_k=4, vocab=512,
+                         dtype="float32", progress=False, overrides=GEMMA4_TINY), "float32"),
+        ("qwen3.5-moe Q8_0", FIXTURES / "qwen3_5_moe" / "qwen3_5_moe-Q8_0.gguf", "bfloat16"),
+        ("gemma4 Q4_K_M", synth_gguf(root / "gemma4-tiny-q4km.gguf", like="gemma-4-26b-a4b", layers=4, experts=8,
+                                     top_k=2, vocab=512, progress=False, overrides=GEMMA4_TINY_Q), "bfloat16"),
+    ]
+    rows = []
+    for name, path, dtype in models:
+        try:
+            rows += _architecture(name, path, dtype, device)
+        except Exception as e:  # a first run on a device: the other sections' rows still print
+            traceback.print_exc()
+            rows.append((f"{name}: ran", False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+    return rows
+
+
+def _architecture(name: str, path: Path, dtype: str, device: str) -> list[tuple[str, bool, str]]:
+    # torch's kernels on every device: what a GPU runs (the native ones are CPU-only, and tested
+    # by the test suite), so that the CPU run of this section checks the same code.
+    def load(cache: CacheConfig, dt: str = dtype) -> expertcache.Model:
+        return expertcache.load(path, device=device, dtype=dt, cache=cache, prefill_stretch=48, kernels="torch")
+
+    ref = load(CacheConfig(mode="resident"))
+    cfg, mixers = ref.cfg, tuple(lw.mixer for lw in ref.net.weights.layers)
+    windows = sorted({m.window for m in mixers if m.window is not None})
+    T, prompt = 150, 134  # the last 16 tokens decoded one at a time: Gemma's ring of 16 wraps
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(3))
+
+    def run(model, decode: bool) -> dict:
+        out = {"logits": [model.logits(ids) for _ in range(2)],
+               # stretches of 48 tokens, mixers in micro-batches of 16 (DeltaNet's state and the
+               # ring carried across them)
+               "stretched": model.prefill(model.new_session(), ids.tolist(), ubatch=16, all_logits=True)}
+        if decode:
+            s = model.new_session()
+            steps = [model.prefill(s, ids[:prompt].tolist(), ubatch=16, all_logits=True)]
+            steps += [model.prefill(s, [t], all_logits=True) for t in ids[prompt:].tolist()]
+            out["steps"] = torch.cat(steps)
+            out["greedy"] = model.generate(ids[:24].tolist(), max_tokens=12, ignore_eos=True).token_ids
+        return out
+
+    base = run(ref, decode=True)
+    rows = []
+    # One forward against micro-batches and decode steps over the same tokens, in fp32: equal up
+    # to the order of fp32 sums (a [T, K] product and T one-row products, DeltaNet's chunked form
+    # and its recurrent form, attention over T queries and over one), so not bitwise; measured
+    # here 1e-6 to 1e-5 of the largest logit on the CPU.
+    exact = base if dtype == "float32" else run(load(CacheConfig(mode="resident"), "float32"), decode=True)
+    full = exact["logits"][0]
+    rel = max(_rel(exact["stretched"], full), _rel(exact["steps"], full))
+    # what the prompt must reach: a third DeltaNet chunk, and a window's worth of decode steps
+    reach = T > 2 * 64 and all(w <= T - prompt for w in windows)
+    rows.append((f"{name} fp32: stepwise vs one forward {rel:.1e} (<= 1e-4)", rel <= 1e-4 and reach,
+                 f"layers {describe_layers(mixers)}, windows {windows}, {T} tokens, {T - prompt} decoded"))
+
+    total = len(cfg.moe_layers) * cfg.num_experts
+    stores = iter(("ram", "mmap", "disk") * 4)
+    configs = [CacheConfig(mode="staging", store=st) for st in ("ram", "mmap", "disk")]
+    configs += [CacheConfig(mode="cache", experts=n, policy=p, store=next(stores), prefetch=pf)
+                for n in (1, total // 4, total) for p in ("lrfu", "lru") for pf in ("off", "on")]
+    n_ok, first_bad = 0, ""
+    for c in configs:
+        decode = c.experts in (1, total // 4) and c.policy == "lrfu"
+        what = f"{c.mode} experts={c.experts} {c.policy} {c.store} prefetch {c.prefetch}"
+        try:
+            got = run(load(c), decode)
+        except Exception as e:
+            first_bad = first_bad or f"{what}: {type(e).__name__}: {e}"
+            continue
+        ok = all(torch.equal(g, base["logits"][0]) for g in got["logits"])
+        ok = ok and torch.equal(got["stretched"], base["stretched"])
+        if decode:
+            ok = ok and torch.equal(got["steps"], base["steps"]) and got["greedy"] == base["greedy"]
+        n_ok += ok
+        if not ok and not first_bad:
+            first_bad = what
+    short = "fp32" if dtype == "float32" else "bf16"
+    rows.append((f"{name} {short}: bitwise logits, decode, greedy {n_ok}/{len(configs)}",
+                 n_ok == len(configs), first_bad))
     return rows
 
 
@@ -314,6 +442,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--only-prefetch", action="store_true", help="run the prefetch checks alone")
+    ap.add_argument("--only-architectures", action="store_true",
+                    help="run the Qwen3.5-MoE and Gemma 4 checks alone")
     ap.add_argument("--profile", action="store_true",
                     help="profile decode steps (torch's profiler) on Qwen3-30B-A3B shapes, and nothing else")
     args = ap.parse_args()
@@ -330,12 +460,15 @@ def main() -> int:
         t0 = time.perf_counter()
         if args.only_prefetch:
             rows = prefetch_checks(args.device, Path(tmp))
+        elif args.only_architectures:
+            rows = architectures(args.device, Path(tmp))
         else:
             rows = exactness(args.device, Path(tmp)) + quantized(args.device) + prefetch_checks(args.device, Path(tmp))
+            rows += architectures(args.device, Path(tmp))
         print(f"\n{'check':<64} result  ({time.perf_counter() - t0:.0f} s)")
         for what, ok, detail in rows:
             print(f"{what:<64} {'PASS' if ok else 'FAIL'}  {'' if ok else detail}")
-        if not args.skip_bench and not args.only_prefetch:
+        if not args.skip_bench and not (args.only_prefetch or args.only_architectures):
             t0 = time.perf_counter()
             checks, res = long_prompt(args.device, Path(tmp))
             rows += checks

@@ -281,12 +281,16 @@ class Model:
         return self.experts.telemetry_.total()["copied_bytes"]
 
     def _as_tensor(self, token_ids) -> torch.Tensor:
+        # Checked where the ids are (on the host for a list), then moved once: on a GPU, reading
+        # a device tensor's min and max back would wait for the device at every call.
         ids = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids,
-                              dtype=torch.long, device=self.net.device).reshape(-1)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
-            bad = int(ids.max()) if int(ids.max()) >= self.cfg.vocab_size else int(ids.min())
-            raise ExpertCacheError(f"token id {bad} out of range: the vocabulary has {self.cfg.vocab_size} tokens")
-        return ids
+                              dtype=torch.long).reshape(-1)
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                bad = hi if hi >= self.cfg.vocab_size else lo
+                raise ExpertCacheError(f"token id {bad} out of range: the vocabulary has {self.cfg.vocab_size} tokens")
+        return ids.to(self.net.device)
 
     def _check_fits(self, n: int) -> None:
         if n > self.ctx_size:

@@ -175,8 +175,15 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(n, QK_K)
 
 
+_IQ4_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
 def _iq4_table(device: torch.device) -> torch.Tensor:
-    return torch.tensor(IQ4_VALUES, dtype=torch.float32, device=device)
+    # Made once per device: made per call, it is a copy from the host that a GPU waits for.
+    table = _IQ4_TABLES.get(device)
+    if table is None:
+        table = _IQ4_TABLES[device] = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=device)
+    return table
 
 
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,7 @@ def moe_experts(k: Kernels, x: torch.Tensor, routing: Routing, provider: ExpertP
     flat = routing.ids.reshape(-1)                              # [T*A]
     order = torch.argsort(flat, stable=True)                    # [T*A] rows grouped by expert id
     used_t, counts_t = torch.unique_consecutive(flat[order], return_counts=True)
-    used, counts = used_t.tolist(), counts_t.tolist()
+    used, counts = torch.stack((used_t, counts_t)).tolist()    # one read-back (a GPU waits once)
     start = {}
     acc = 0
     for e, c in zip(used, counts):

@@ -64,7 +64,10 @@ PRESETS = {
 
 
 def synth_config(like: str, layers: int | None = None, experts: int | None = None, top_k: int | None = None,
-                 vocab: int | None = None, dtype: str = "bfloat16") -> dict:
+                 vocab: int | None = None, dtype: str = "bfloat16", overrides: dict | None = None) -> dict:
+    """The config.json of a `like` checkpoint. `overrides`: config keys set last, over the
+    preset's and the arguments' (smaller shapes for a quick check; the caller keeps them
+    consistent, e.g. `layer_types` with the layer count)."""
     if like not in PRESETS:
         raise ExpertCacheError(f"unknown --like {like!r}: expected one of {', '.join(PRESETS)}")
     raw = dict(PRESETS[like])
@@ -91,13 +94,14 @@ def synth_config(like: str, layers: int | None = None, experts: int | None = Non
         raw.update(hidden_act="silu", tie_word_embeddings=False)
     raw.update(attention_bias=False, eos_token_id=257, bos_token_id=None,
                dtype=str(parse_dtype(dtype, "dtype")).removeprefix("torch."))
+    raw.update(overrides or {})
     return raw
 
 
 def synth(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None = 2, experts: int | None = None,
           top_k: int | None = None, vocab: int | None = 4096, dtype: str = "bfloat16", seed: int = 0,
-          force: bool = False, progress: bool = True) -> Path:
-    raw = synth_config(like, layers, experts, top_k, vocab, dtype)
+          force: bool = False, progress: bool = True, overrides: dict | None = None) -> Path:
+    raw = synth_config(like, layers, experts, top_k, vocab, dtype, overrides)
     arch = for_model_type(raw["model_type"], f"--like {like}")
     cfg = arch.config_from_hf(raw)
     torch_dtype = parse_dtype(dtype)

@@ -89,10 +89,10 @@ def add_byte_tokenizer(w: GGUFWriter, vocab: int, eos: int | None) -> None:
 
 def synth_gguf(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None = 2, experts: int | None = None,
                top_k: int | None = None, vocab: int | None = 4096, quant: str = "q4_k_m", seed: int = 0,
-               force: bool = False, progress: bool = True) -> Path:
+               force: bool = False, progress: bool = True, overrides: dict | None = None) -> Path:
     if quant not in QUANTS:
         raise ExpertCacheError(f"unknown --quant {quant!r}: expected one of {', '.join(QUANTS)}")
-    raw = synth_config(like, layers, experts, top_k, vocab)
+    raw = synth_config(like, layers, experts, top_k, vocab, overrides=overrides)
     if raw["model_type"] not in ("qwen3_moe", "gemma4_text"):
         raise ExpertCacheError(f"--quant writes Qwen3-MoE or Gemma 4 shapes; --like {like!r} is {raw['model_type']}")
     out = check_output_file(Path(out), force, MARKER_KEY, _is_ours)
