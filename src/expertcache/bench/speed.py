@@ -36,6 +36,8 @@ from ..errors import ExpertCacheError
 from ..memory import host_zeros
 
 PREFILLS = (256, 512, 2048)
+# Seconds between the two engines' runs in a pair (`side_by_side`).
+SETTLE_S = 0.5
 # Profiler names of the matrix products (and fused attention) a step runs.
 MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv_",
               "aten::_scaled_dot_product_flash_attention_for_cpu", "native::gemv", "native::experts",
@@ -357,11 +359,16 @@ def side_by_side(model, lc: LlamaCppProcess, prompt: list[int], decode: int, pre
     lc.prefill(prompt[:max(prefills)])
     runs = {k: {"ours": [], "llamacpp": []} for k in ["decode"] + [f"prefill_{p}" for p in prefills]}
     for _ in tqdm(range(pairs), desc="vs llama.cpp", unit="pair", file=sys.stderr):
-        runs["decode"]["ours"].append(_decode(model, prompt[:64], decode)["tok_s"])
-        runs["decode"]["llamacpp"].append(lc.decode(prompt[:64], decode))
-        for p in prefills:
-            runs[f"prefill_{p}"]["ours"].append(_prefill(model, prompt[:p], ubatch)["tok_s"])
-            runs[f"prefill_{p}"]["llamacpp"].append(lc.prefill(prompt[:p]))
+        for key, ours, theirs in [("decode", lambda: _decode(model, prompt[:64], decode)["tok_s"],
+                                   lambda: lc.decode(prompt[:64], decode))] + [
+                (f"prefill_{p}", lambda p=p: _prefill(model, prompt[:p], ubatch)["tok_s"],
+                 lambda p=p: lc.prefill(prompt[:p])) for p in prefills]:
+            # Each side starts after the other's threads have gone idle: an OpenMP runtime's
+            # workers spin on the cores for a while after their last parallel region.
+            time.sleep(SETTLE_S)
+            runs[key]["ours"].append(ours())
+            time.sleep(SETTLE_S)
+            runs[key]["llamacpp"].append(theirs())
     return {"pairs": pairs, "runs": runs,
             "ratios": {k: median_ratio(v["ours"], v["llamacpp"]) for k, v in runs.items()}}
 
