@@ -1,5 +1,5 @@
 """Bit-exactness and cache benchmark on a GPU, from the source tree, with only the core libraries
-(torch, numpy, safetensors, tokenizers, jinja2, tqdm): no pytest, no transformers.
+(torch, numpy, safetensors, tokenizers, jinja2, tqdm, gguf): no pytest, no transformers.
 
     PYTHONPATH=src python3 scripts/gpu_check.py [--device cuda] [--skip-bench]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check: bit-exactness across cache modes and the cache benchmark on CUDA, from the source
-# tree with only torch, numpy, safetensors, tokenizers, jinja2 and tqdm. Under 5 minutes on one GPU.
+# tree with only torch, numpy, safetensors, tokenizers, jinja2, tqdm and gguf. Under 5 minutes on one GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Deterministic cuBLAS workspaces, so that equal inputs give equal bits run to run.
