@@ -358,17 +358,20 @@ def side_by_side(model, lc: LlamaCppProcess, prompt: list[int], decode: int, pre
     # untimed pass of the longest prompt touches (nearly) every expert, so neither side pays that.
     lc.prefill(prompt[:max(prefills)])
     runs = {k: {"ours": [], "llamacpp": []} for k in ["decode"] + [f"prefill_{p}" for p in prefills]}
+
+    def pair(key: str, ours, theirs) -> None:
+        # Each side starts once the other's threads have gone idle: an OpenMP runtime's workers
+        # spin on the cores for a while after their last parallel region (without the pause our
+        # first run after llama.cpp's warm-up ran at about half speed).
+        time.sleep(SETTLE_S)
+        runs[key]["ours"].append(ours())
+        time.sleep(SETTLE_S)
+        runs[key]["llamacpp"].append(theirs())
+
     for _ in tqdm(range(pairs), desc="vs llama.cpp", unit="pair", file=sys.stderr):
-        for key, ours, theirs in [("decode", lambda: _decode(model, prompt[:64], decode)["tok_s"],
-                                   lambda: lc.decode(prompt[:64], decode))] + [
-                (f"prefill_{p}", lambda p=p: _prefill(model, prompt[:p], ubatch)["tok_s"],
-                 lambda p=p: lc.prefill(prompt[:p])) for p in prefills]:
-            # Each side starts after the other's threads have gone idle: an OpenMP runtime's
-            # workers spin on the cores for a while after their last parallel region.
-            time.sleep(SETTLE_S)
-            runs[key]["ours"].append(ours())
-            time.sleep(SETTLE_S)
-            runs[key]["llamacpp"].append(theirs())
+        pair("decode", lambda: _decode(model, prompt[:64], decode)["tok_s"], lambda: lc.decode(prompt[:64], decode))
+        for p in prefills:
+            pair(f"prefill_{p}", lambda: _prefill(model, prompt[:p], ubatch)["tok_s"], lambda: lc.prefill(prompt[:p]))
     return {"pairs": pairs, "runs": runs,
             "ratios": {k: median_ratio(v["ours"], v["llamacpp"]) for k, v in runs.items()}}
 
