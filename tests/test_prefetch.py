@@ -194,6 +194,50 @@ def test_failed_prefetch_leaves_its_slots_empty(models):
     assert cache.telemetry()["copy_failures"] >= 1
 
 
+def test_a_prefetch_failing_while_its_op_is_planned_keeps_its_slot_for_that_op(models):
+    """A prefetch whose copy fails after the op that hits it was planned, and before that op plans
+    the next prefetch: the op copies it again itself, and its slot is not given to the next
+    prefetch while the op reads it (a race a failing worker hit about once in 60 generations)."""
+    model = _load(models["qwen2"], experts=10, store="disk", prefetch="on", prefetch_width=2.0)
+    cache = model.experts
+    model.logits(IDS[:4])
+    layer, nxt = cache.moe_layers
+    go, ran = threading.Event(), threading.Event()
+
+    def fail_when_told(_n):
+        if threading.current_thread().name == WORKER:
+            ran.set()
+            go.wait(10)
+            raise CopyError("injected read failure")
+
+    cache.store.read_hook = fail_when_told
+    resident = {k.expert for k in cache.residency.resident_keys() if k.layer == layer}
+    hit = [e for e in range(cache.num_experts) if e not in resident][:2]
+    cache.prefetch(layer, hit)
+    assert ran.wait(10)  # the job is running: the op's own first reap keeps it
+
+    def predict(at: int):
+        # the op is planned; the job now fails, before this op plans the next layer's prefetch
+        go.set()
+        job, _ = cache._pending[cache.residency.slot_of(ExpertKey(layer, hit[0]))]
+        assert job.done.wait(10) and job.error is not None
+        return nxt, list(range(cache.num_experts))
+
+    cache.predict = predict
+    ops = cache.acquire(layer, sorted(hit))
+    wave = next(ops)
+    cache._worker.drain()  # whatever the next prefetch writes is written now
+    for e, w in wave:
+        slot = next(i for i, v in enumerate(cache.views[layer]) if v is w)
+        want = torch.zeros_like(cache.pool[slot: slot + 1])
+        cache.store.read_hook = None
+        cache.store.copy_run(layer, e, want)
+        assert torch.equal(cache.pool[slot], want[0]), (e, slot)
+    ops.close()
+    cache.predict = None
+    _slots_hold_what_they_claim(cache)
+
+
 def test_a_prefetch_not_started_is_taken_over(models, reference):
     # The worker starts no job (as if a demand copy never ended): every prefetch an op needs is
     # copied by the demand path, once; the counters stay those of a free worker, the bits the

@@ -367,7 +367,10 @@ class ExpertCache:
 
     def _reap(self) -> None:
         """Roll back prefetches whose copy failed: their experts leave the bookkeeping (an op that
-        needs one copies it on demand), as those of a failed demand copy do."""
+        needs one copies it on demand), as those of a failed demand copy do. One the op in flight
+        reads (`_op_reads`: reaped when that op plans the next prefetch) keeps its job for the next
+        reap: the wave copies it again (`_take_prefetched`); dropped now, its slot could be given
+        to the next prefetch while the wave reads it."""
         if not self._jobs:
             return
         keep, failed = [], []
@@ -377,12 +380,16 @@ class ExpertCache:
                 continue
             if job.error is None:
                 continue
+            entries = [(i, s, ExpertKey(job.layer, e)) for i, (e, s) in enumerate(zip(job.experts, job.slots))
+                       if self._pending.get(s) == (job, i)]
+            if any((s, key) in self._op_reads for _, s, key in entries):
+                keep.append(job)  # reaped after the op, which takes those entries over
+                continue
             self.telemetry_.copy_failures += 1
-            for i, (e, s) in enumerate(zip(job.experts, job.slots)):
-                if self._pending.get(s) == (job, i):
-                    del self._pending[s]
-                    if job.live[i]:
-                        failed.append(ExpertKey(job.layer, e))
+            for i, s, key in entries:
+                del self._pending[s]
+                if job.live[i]:
+                    failed.append(key)
         self._jobs = keep
         self._drop_keys(failed)
 
