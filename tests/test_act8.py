@@ -109,10 +109,32 @@ def test_gemm_act8_rows_are_the_one_row_products(native, name):
         x = torch.stack([vector(cols, seed=100 + t) for t in range(T)])
         y = native.gemm_act8(raw, qtype, x)
         assert y.shape == (T, 45) and y.dtype == torch.float32
-        for t in (0, T // 2, T - 1):
+        for t in range(T):
             assert torch.equal(y[t], native.gemv(raw, qtype, x[t], act8=True)), (name, T, t)
     assert torch.equal(with_threads(1, lambda: native.gemm_act8(raw, qtype, x)),
                        with_threads(2, lambda: native.gemm_act8(raw, qtype, x)))
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0"])
+def test_a_row_gives_the_same_bits_alone_and_among_others(native, name):
+    """Kernels that take eight weight rows at once (decode) or interleave them (prefill) give each
+    row the bits of a product of that row alone, whatever the split across threads."""
+    qtype = Q[name]
+    cols = cols_for(qtype, 3)
+    raw, _ = weights(qtype, 45, cols, seed=5)
+    x = torch.stack([vector(cols, seed=6 + t) for t in range(5)])
+    alone = torch.stack([torch.cat([native.gemv(raw[r:r + 1], qtype, x[t], act8=True) for r in range(45)])
+                         for t in range(5)])
+    for threads in (1, 2, 3):
+        assert torch.equal(with_threads(threads, lambda: native.gemm_act8(raw, qtype, x)), alone), (name, threads)
+        for t in range(5):
+            assert torch.equal(with_threads(threads, lambda: native.gemv(raw, qtype, x[t], act8=True)), alone[t])
+    n, I = 3, 256  # a wave: its gate/up/down rows split into runs of each matrix across threads
+    G = [weights(qtype, I, cols, seed=30 + e)[0] for e in range(n)]
+    Dn = [weights(qtype, cols, I, seed=50 + e)[0] for e in range(n)]
+    waves = [with_threads(k, lambda: native.experts(x[0], G, G, Dn, qtype, qtype, qtype, "silu", act8=True))
+             for k in (1, 2, 3)]
+    assert torch.equal(waves[0], waves[1]) and torch.equal(waves[0], waves[2]), name
 
 
 def test_the_vector_and_the_plain_build_give_the_same_bits():

@@ -755,68 +755,132 @@ inline void lane_products(const int32_t* x, const int32_t* y, bool pairs, int32_
 }
 #endif
 
+// Q4_K/Q5_K: each super-block's two integer sums (the scaled products, and the minimums times
+// the activations' sums of 32) are exact and formed whole, then enter one float sum each: a
+// block's float steps do not depend on how its integers were gathered, so a row gives the same
+// bits from the file's rows and from the interleaved tiles of eight rows (`Q4KTiles`).
+struct AccQ45 {
+  float acc = 0.f, mins = 0.f;
+  void add(int32_t sum, int32_t msum, float ad, float d, float dmin) {
+    acc += (ad * d) * static_cast<float>(sum);
+    mins += (ad * dmin) * static_cast<float>(msum);
+  }
+  float sum() const { return acc - mins; }
+};
+
+#if defined(EXPERTCACHE_AVX2)
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+#endif
+
+#if defined(EXPERTCACHE_AVX2)
+// One Q4_K/Q5_K super-block `b` (block i of its row) against R activation rows: each row's
+// integer sums, eight lanes of the scaled products (`sum`) and eight of the minimums times the
+// activations' sums of 32 (`msum`); the whole-block integers are the lanes' totals.
+template <bool FIVE, int R>
+inline void q45_block(const uint8_t* b, const Act* const* a, int64_t i, __m256i* sum, __m256i* msum) {
+  const uint8_t *qh = b + 16, *qs = b + (FIVE ? 48 : 16);
+  alignas(8) uint8_t sc8[8], m8[8];
+  k_scales(b + 4, sc8, m8);
+  // The scales and minimums stay in registers: each scale broadcast by a shuffle, the minimums
+  // widened to eight int32 lanes, whose products with the (16-bit) sums of 32 activations a
+  // 16-bit multiply-add forms exactly (the upper halves of the minimums are zero).
+  const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc8))));
+  const __m256i m32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m8)));
+  const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+  const __m256i hb = FIVE ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
+  for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
+  for (int p = 0; p < 4; ++p) {  // one 32-byte run at a time: few registers live across the rows
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 32));
+    __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    if (FIVE) {
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p)), one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p + 1)), one), 4));
+    }
+    const __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * (2 * p))));
+    const __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * (2 * p + 1))));
+    for (int t = 0; t < R; ++t) {
+      const int8_t* aq = a[t]->q.data() + i * 256 + p * 64;
+      const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq));
+      const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + 32));
+      sum[t] = _mm256_add_epi32(sum[t], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), s0),
+                                                         _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), s1)));
+    }
+  }
+  for (int t = 0; t < R; ++t)
+    msum[t] = _mm256_madd_epi16(m32, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t]->bsum32.data() + i * 8)));
+}
+
+// Eight vectors' lane totals as one vector (lane r: the total of v[r]).
+inline __m256i totals8(const __m256i* v) {
+  const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+}
+
+// Eight consecutive weight rows (`stride` bytes apart) against one activation row, for decode:
+// each row's integers and float steps are those of `rows_q45_k` with that row alone, the eight
+// rows' float steps taken side by side in the lanes of one vector. The rows are read one after
+// the other over a run of up to 16 blocks (the memory streams as for one row at a time), their
+// sums kept for the run.
+template <bool FIVE>
+void rows8_q45_k(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float* out) {
+  constexpr int BYTES = FIVE ? 176 : 144, RUN = 16;
+  const Act* pa = &a;
+  __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+  __m256i sum[RUN][8], msum[RUN][8];
+  alignas(32) float d[RUN][8], dmin[RUN][8];
+  for (int64_t i0 = 0, nb = K / 256; i0 < nb; i0 += RUN) {
+    const int n = static_cast<int>(std::min<int64_t>(RUN, nb - i0));
+    for (int r = 0; r < 8; ++r)
+      for (int k = 0; k < n; ++k) {
+        const uint8_t* b = row + r * stride + (i0 + k) * BYTES;
+        d[k][r] = h2f(b);
+        dmin[k][r] = h2f(b + 2);
+        q45_block<FIVE, 1>(b, &pa, i0 + k, &sum[k][r], &msum[k][r]);
+      }
+    for (int k = 0; k < n; ++k) {
+      const __m256 ad = _mm256_set1_ps(a.d[i0 + k]);
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(ad, _mm256_load_ps(d[k])), _mm256_cvtepi32_ps(totals8(sum[k]))));
+      mins = _mm256_add_ps(mins, _mm256_mul_ps(_mm256_mul_ps(ad, _mm256_load_ps(dmin[k])), _mm256_cvtepi32_ps(totals8(msum[k]))));
+    }
+  }
+  _mm256_storeu_ps(out, _mm256_sub_ps(acc, mins));
+}
+#endif
+
 template <bool FIVE, int R>
 void rows_q45_k(const uint8_t* row, const Act* const* a, int64_t K, float* out) {
   constexpr int BYTES = FIVE ? 176 : 144;
-  AccK acc[R];
+  AccQ45 acc[R];
   for (int64_t i = 0, nb = K / 256; i < nb; ++i) {
     const uint8_t* b = row + i * BYTES;
     const float d = h2f(b), dmin = h2f(b + 2);
-    const uint8_t *qh = b + 16, *qs = b + (FIVE ? 48 : 16);
-    alignas(8) uint8_t sc8[8], m8[8];
-    k_scales(b + 4, sc8, m8);
 #if defined(EXPERTCACHE_AVX2)
-    // The scales and minimums stay in registers: each scale broadcast by a shuffle, the minimums
-    // widened to eight int32 lanes, whose products with the (16-bit) sums of 32 activations a
-    // 16-bit multiply-add forms exactly (the upper halves of the minimums are zero).
-    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc8))));
-    const __m256i m32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m8)));
-    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
-    const __m256i hb = FIVE ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
-    __m256i sum[R];
-    for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
-    for (int p = 0; p < 4; ++p) {  // one 32-byte run at a time: few registers live across the rows
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 32));
-      __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-      if (FIVE) {
-        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p)), one), 4));
-        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * p + 1)), one), 4));
-      }
-      const __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * (2 * p))));
-      const __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * (2 * p + 1))));
-      for (int t = 0; t < R; ++t) {
-        const int8_t* aq = a[t]->q.data() + i * 256 + p * 64;
-        const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq));
-        const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + 32));
-        sum[t] = _mm256_add_epi32(sum[t], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), s0),
-                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), s1)));
-      }
-    }
-    for (int t = 0; t < R; ++t) {
-      const float ad = a[t]->d[i];
-      acc[t].lanes.add(sum[t], ad * d);
-      acc[t].rest.add(_mm256_madd_epi16(m32, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t]->bsum32.data() + i * 8))),
-                      ad * dmin);
-    }
+    __m256i sum[R], msum[R];
+    q45_block<FIVE, R>(b, a, i, sum, msum);
+    for (int t = 0; t < R; ++t) acc[t].add(hsum_i32(sum[t]), hsum_i32(msum[t]), a[t]->d[i], d, dmin);
 #else
-    int32_t m[8];
-    for (int j = 0; j < 8; ++j) m[j] = m8[j];
+    const uint8_t *qh = b + 16, *qs = b + (FIVE ? 48 : 16);
+    uint8_t sc8[8], m8[8];
+    k_scales(b + 4, sc8, m8);
     for (int t = 0; t < R; ++t) {
       const int8_t* aq = a[t]->q.data() + i * 256;
-      int32_t sum[8] = {0}, mins[8];
+      int32_t sum = 0, mins = 0;
       for (int j = 0; j < 8; ++j) {  // sub-block j: 32 weights, bytes (j/2)*32.. of qs
         const uint8_t* q = qs + (j / 2) * 32;
         const int shift = (j % 2) * 4;
         for (int l = 0; l < 32; ++l) {
           int v = (q[l] >> shift) & 15;
           if (FIVE) v |= ((qh[l] >> j) & 1) << 4;
-          sum[l / 4] += sc8[j] * v * aq[j * 32 + l];
+          sum += sc8[j] * v * aq[j * 32 + l];
         }
+        mins += m8[j] * a[t]->bsum32[i * 8 + j];
       }
-      lane_products(m, a[t]->bsum32.data() + i * 8, false, mins);
-      const float ad = a[t]->d[i];
-      acc[t].lanes.add_ints(sum, ad * d);
-      acc[t].rest.add_ints(mins, ad * dmin);
+      acc[t].add(sum, mins, a[t]->d[i], d, dmin);
     }
 #endif
   }
@@ -877,6 +941,102 @@ void rows_q6_k(const uint8_t* row, const Act* const* a, int64_t K, float* out) {
   }
   for (int t = 0; t < R; ++t) out[t] = acc[t].sum();
 }
+
+#if defined(EXPERTCACHE_AVX2)
+// Q4_K rows interleaved eight at a time, for many-row products. One super-block column of eight
+// rows (1184 bytes): their d and dmin (fp16, 2 x 16 bytes), the eight sub-block scales of each
+// row (64 bytes, [sub-block][row]), their minimums in pairs ([pair][row][2], 64 bytes), then the
+// nibbles, for each 32-byte run p and each 4-byte group c of it, the eight rows' 4 bytes side by
+// side ([p][c][row][4], 1024 bytes). One 32-byte load then holds 8 weights of each of the eight
+// rows, so one activation group of 4 (broadcast) meets eight rows at once and each int32 lane of
+// a sum is one row's: the block's integers come out whole per row, as `rows_q45_k` forms them,
+// and the float steps (`AccQ45`) are the same, so each row's result is bit for bit the one-row
+// product's. The tiles are formed from the file's rows when a product starts (`q4k_tiles`).
+constexpr int64_t kQ4KTile = 1184;
+
+void q4k_tiles(const uint8_t* rows, int64_t stride, int64_t nb, uint8_t* out) {
+  for (int64_t i = 0; i < nb; ++i) {
+    uint8_t* t = out + i * kQ4KTile;
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* b = rows + r * stride + i * 144;
+      std::memcpy(t + 2 * r, b, 2);
+      std::memcpy(t + 16 + 2 * r, b + 2, 2);
+      uint8_t sc[8], m[8];
+      k_scales(b + 4, sc, m);
+      for (int j = 0; j < 8; ++j) {
+        t[32 + j * 8 + r] = sc[j];
+        t[96 + (j / 2) * 16 + r * 2 + j % 2] = m[j];
+      }
+      for (int p = 0; p < 4; ++p)
+        for (int c = 0; c < 8; ++c) std::memcpy(t + 160 + p * 256 + c * 32 + r * 4, b + 16 + p * 32 + c * 4, 4);
+    }
+  }
+}
+
+inline __m256 half8(const uint8_t* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int r = 0; r < 8; ++r) f[r] = h2f(p + 2 * r);
+  return _mm256_load_ps(f);
+#endif
+}
+
+// R activation rows (R <= 4) against one tile column of eight weight rows: out[t * 8 + row].
+template <int R>
+void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out) {
+  __m256 acc[R], mins[R];
+  for (int t = 0; t < R; ++t) acc[t] = mins[t] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(15);
+  for (int64_t i = 0, nb = K / 256; i < nb; ++i) {
+    const uint8_t* tl = tiles + i * kQ4KTile;
+    __m256i sum[R];
+    for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      // Eight groups of 4 add up to at most 8 x 2 x 15 x 127 in each 16-bit lane: no overflow.
+      __m256i s0[R], s1[R];
+      for (int t = 0; t < R; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
+      const uint8_t* q = tl + 160 + p * 256;
+      for (int c = 0; c < 8; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 32));
+        const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        for (int t = 0; t < R; ++t) {
+          const int8_t* aq = a[t]->q.data() + i * 256 + p * 64 + c * 4;
+          int32_t x0, x1;
+          std::memcpy(&x0, aq, 4);
+          std::memcpy(&x1, aq + 32, 4);
+          s0[t] = _mm256_add_epi16(s0[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
+          s1[t] = _mm256_add_epi16(s1[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+        }
+      }
+      const __m128i c0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tl + 32 + 16 * p));
+      const __m128i c1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tl + 40 + 16 * p));
+      const __m256i sc0 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(c0, c0)), sc1 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(c1, c1));
+      for (int t = 0; t < R; ++t)
+        sum[t] = _mm256_add_epi32(sum[t], _mm256_add_epi32(_mm256_madd_epi16(s0[t], sc0), _mm256_madd_epi16(s1[t], sc1)));
+    }
+    const __m256 d = half8(tl), dmin = half8(tl + 16);
+    for (int t = 0; t < R; ++t) {
+      const int32_t* bs = a[t]->bsum32.data() + i * 8;
+      __m256i msum = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const int32_t pair = static_cast<int32_t>((static_cast<uint32_t>(static_cast<uint16_t>(bs[2 * j + 1])) << 16) |
+                                                  static_cast<uint16_t>(bs[2 * j]));
+        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tl + 96 + 16 * j))), _mm256_set1_epi32(pair)));
+      }
+      const __m256 ad = _mm256_set1_ps(a[t]->d[i]);
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(ad, d), _mm256_cvtepi32_ps(sum[t])));
+      mins[t] = _mm256_add_ps(mins[t], _mm256_mul_ps(_mm256_mul_ps(ad, dmin), _mm256_cvtepi32_ps(msum)));
+    }
+  }
+  for (int t = 0; t < R; ++t) _mm256_storeu_ps(out + t * 8, _mm256_sub_ps(acc[t], mins[t]));
+}
+
+using Tile4 = void (*)(const uint8_t*, const Act* const*, int64_t, float*);
+const Tile4 kTileQ4K[4] = {tile_q4_k<1>, tile_q4_k<2>, tile_q4_k<3>, tile_q4_k<4>};
+#endif
 
 // Up to four activation rows against one weight row, for the types with a multi-row kernel.
 using Rows4 = void (*)(const uint8_t*, const Act* const*, int64_t, float*);
@@ -976,6 +1136,28 @@ float row_dot_act(const Format& fmt, ActDot ad, const uint8_t* row, const Act& a
   return ad ? ad(row, a, K) : row_dot(fmt, row, a.xt.data(), K);
 }
 
+// Eight consecutive rows against one rounded row at once, where the type has such a kernel: the
+// same bits as row by row, for less work per row.
+using ActDot8 = void (*)(const uint8_t*, int64_t, const Act&, int64_t, float*);
+
+ActDot8 act_dot8_of(int64_t type) {
+#if defined(EXPERTCACHE_AVX2)
+  if (type == Q4_K) return rows8_q45_k<false>;
+  if (type == Q5_K) return rows8_q45_k<true>;
+#endif
+  (void)type;
+  return nullptr;
+}
+
+// Rows [0, n) of one matrix (`stride` bytes apart) times the rounded row, into out[0, n).
+void dot_rows_act(const Format& fmt, ActDot ad, ActDot8 ad8, const uint8_t* row, int64_t stride, int64_t n,
+                  const Act& a, int64_t K, float* out) {
+  int64_t r = 0;
+  if (ad8)
+    for (; r + 8 <= n; r += 8) ad8(row + r * stride, stride, a, K, out + r);
+  for (; r < n; ++r) out[r] = row_dot_act(fmt, ad, row + r * stride, a, K);
+}
+
 // y [N] = W x: W [N, K] of ggml type `type` as raw rows [N, row bytes], x [K]; fp32.
 // fused=false takes the plain decoders (the reference the register-level ones are tested against);
 // act8 rounds x first, as ggml's CPU products do.
@@ -992,9 +1174,13 @@ torch::Tensor product(const torch::Tensor& w, int64_t type, const torch::Tensor&
   Act a;
   const ActDot idot = act8 ? act_dot_of(type) : nullptr;
   if (act8) quantize_act(X, K, type, a, !idot);
+  const ActDot8 idot8 = act8 ? act_dot8_of(type) : nullptr;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      Y[r] = act8 ? row_dot_act(fmt, idot, W + r * stride, a, K) : row_dot(fmt, W + r * stride, X, K, fused);
+    if (act8) {
+      dot_rows_act(fmt, idot, idot8, W + begin * stride, stride, end - begin, a, K, Y + begin);
+      return;
+    }
+    for (int64_t r = begin; r < end; ++r) Y[r] = row_dot(fmt, W + r * stride, X, K, fused);
   });
   return y;
 }
@@ -1037,11 +1223,40 @@ torch::Tensor gemm_act8(const torch::Tensor& w, int64_t type, const torch::Tenso
     });
     return y;
   }
+#if defined(EXPERTCACHE_AVX2)
+  // Q4_K: eight weight rows at a time as tiles (`q4k_tiles`), formed into a per-thread buffer of
+  // about 16 KB and taken against each group of four activation rows in turn; rows past the last
+  // whole eight take the path below, with the same results.
+  int64_t done = 0;
+  if (type == Q4_K && T > 1 && N >= 8) {
+    const int64_t nb = K / 256, groups = N / 8, per = std::max<int64_t>(1, (16 << 10) / (nb * kQ4KTile));
+    at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
+      std::vector<uint8_t> buf(per * nb * kQ4KTile);
+      for (int64_t g0 = begin; g0 < end; g0 += per) {
+        const int64_t g1 = std::min(end, g0 + per);
+        for (int64_t g = g0; g < g1; ++g) q4k_tiles(W + g * 8 * stride, stride, nb, buf.data() + (g - g0) * nb * kQ4KTile);
+        for (int64_t t = 0; t < T; t += 4) {
+          const int n = static_cast<int>(std::min<int64_t>(4, T - t));
+          const Act* group[4];
+          for (int j = 0; j < n; ++j) group[j] = &acts[t + j];
+          for (int64_t g = g0; g < g1; ++g) {
+            float o[32];
+            kTileQ4K[n - 1](buf.data() + (g - g0) * nb * kQ4KTile, group, K, o);
+            for (int j = 0; j < n; ++j) std::memcpy(Y + (t + j) * N + g * 8, o + j * 8, 8 * sizeof(float));
+          }
+        }
+      }
+    });
+    done = groups * 8;
+  }
+#else
+  const int64_t done = 0;
+#endif
   // A chunk of weight rows against each group of four activation rows in turn: the chunk (about
   // 16 KB) and the group stay in the first-level cache, and the activations stream from the
   // second-level cache once a chunk instead of once a weight row.
   const int64_t chunk = std::max<int64_t>(1, (16 << 10) / stride);
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(done, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = begin; r0 < end; r0 += chunk) {
       const int64_t r1 = std::min(end, r0 + chunk);
       for (int64_t t = 0; t < T; t += 4) {
@@ -1197,14 +1412,20 @@ torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor
     quantize_act(X, D, gate_type, ag, !ig);
     quantize_act(X, D, up_type, au, !iu);
   }
+  const ActDot8 ig8 = act8 ? act_dot8_of(gate_type) : nullptr, iu8 = act8 ? act_dot8_of(up_type) : nullptr,
+                id8 = act8 ? act_dot8_of(down_type) : nullptr;
   at::parallel_for(0, n * 2 * I, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
+    for (int64_t r = begin; r < end;) {  // one run of rows of one matrix at a time
       const int64_t e = r / (2 * I), i = r % (2 * I);
+      const bool g = i < I;
+      const int64_t i0 = g ? i : i - I, run = std::min(end - r, I - i0);
+      const uint8_t* w = g ? G[e] + i0 * gstride : U[e] + i0 * ustride;
+      const int64_t stride = g ? gstride : ustride;
       if (act8)
-        gu[r] = i < I ? row_dot_act(fg, ig, G[e] + i * gstride, ag, D)
-                      : row_dot_act(fu, iu, U[e] + (i - I) * ustride, au, D);
+        dot_rows_act(g ? fg : fu, g ? ig : iu, g ? ig8 : iu8, w, stride, run, g ? ag : au, D, gu.data() + r);
       else
-        gu[r] = i < I ? row_dot(fg, G[e] + i * gstride, X, D) : row_dot(fu, U[e] + (i - I) * ustride, X, D);
+        for (int64_t k = 0; k < run; ++k) gu[r + k] = row_dot(g ? fg : fu, w + k * stride, X, D);
+      r += run;
     }
   });
   at::parallel_for(0, n * I, 256, [&](int64_t begin, int64_t end) {
@@ -1220,10 +1441,13 @@ torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor
     });
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, n * D, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t e = r / D, i = r % D;
-      Y[r] = act8 ? row_dot_act(fd, id, Dn[e] + i * dstride, ah[e], I)
-                  : row_dot(fd, Dn[e] + i * dstride, h.data() + e * I, I);
+    for (int64_t r = begin; r < end;) {  // one run of one expert's rows at a time
+      const int64_t e = r / D, i = r % D, run = std::min(end - r, D - i);
+      if (act8)
+        dot_rows_act(fd, id, id8, Dn[e] + i * dstride, dstride, run, ah[e], I, Y + r);
+      else
+        for (int64_t k = 0; k < run; ++k) Y[r + k] = row_dot(fd, Dn[e] + (i + k) * dstride, h.data() + e * I, I);
+      r += run;
     }
   });
   return y;
