@@ -718,17 +718,10 @@ void rows_32(const uint8_t* row, const Act* const* a, int64_t K, float* out) {
   for (int t = 0; t < R; ++t) out[t] = acc[t].sum();
 }
 
-// The 256-weight K-quants: each super-block gives eight exact int32 sums (lane j over bytes
-// 4j..4j+3 of each 32-byte run of the block, each run's sums times its sub-block's scale), which
-// are scaled by the block's scale and added into eight fp32 lanes; the terms of the minimums
-// (Q4_K/Q5_K) or of the offset 32 (Q6_K) go into eight more (lane j: sub-block j, or j and j + 8).
-// The plain build forms the same integers and takes the same float steps. A call takes up to
-// four activation rows against one weight row: the block is decoded once, and each row's sums and
-// float steps are exactly those of a call with that row alone.
-struct AccK {
-  Acc8 lanes, rest;
-  float sum() const { return lanes.sum() - rest.sum(); }
-};
+// The 256-weight K-quants: each super-block's integers are exact and formed whole (`AccQ45`). A
+// call takes up to four activation rows against one weight row: the block is decoded once, and
+// each row's sums and float steps are exactly those of a call with that row alone. The plain
+// build forms the same integers and takes the same float steps.
 
 // The six-bit scales and minimums of a Q4_K/Q5_K block's twelve scale bytes (`k_scale`'s layout,
 // four at a time).
@@ -742,16 +735,11 @@ inline void k_scales(const uint8_t* s, uint8_t sc[8], uint8_t m[8]) {
   std::memcpy(m, out + 2, 8);
 }
 
-// Eight int32 lanes: x[j] * y[j] (j < 8), or x[j] * y[j] + x[j + 8] * y[j + 8] with `pairs`.
 #if defined(EXPERTCACHE_AVX2)
-inline __m256i lane_products(const int32_t* x, const int32_t* y, bool pairs) {
+// Eight int32 lanes: x[j] * y[j] + x[j + 8] * y[j + 8].
+inline __m256i lane_pairs(const int32_t* x, const int32_t* y) {
   const auto ld = [](const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
-  __m256i v = _mm256_mullo_epi32(ld(x), ld(y));
-  return pairs ? _mm256_add_epi32(v, _mm256_mullo_epi32(ld(x + 8), ld(y + 8))) : v;
-}
-#else
-inline void lane_products(const int32_t* x, const int32_t* y, bool pairs, int32_t out[8]) {
-  for (int j = 0; j < 8; ++j) out[j] = x[j] * y[j] + (pairs ? x[j + 8] * y[j + 8] : 0);
+  return _mm256_add_epi32(_mm256_mullo_epi32(ld(x), ld(y)), _mm256_mullo_epi32(ld(x + 8), ld(y + 8)));
 }
 #endif
 
@@ -768,13 +756,6 @@ struct AccQ45 {
   float sum() const { return acc - mins; }
 };
 
-#if defined(EXPERTCACHE_AVX2)
-inline int32_t hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
-}
-#endif
 
 #if defined(EXPERTCACHE_AVX2)
 // One Q4_K/Q5_K super-block `b` (block i of its row) against R activation rows: each row's
@@ -820,35 +801,18 @@ inline __m256i totals8(const __m256i* v) {
   const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
   return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
 }
+#endif
 
-// Eight consecutive weight rows (`stride` bytes apart) against one activation row, for decode:
-// each row's integers and float steps are those of `rows_q45_k` with that row alone, the eight
-// rows' float steps taken side by side in the lanes of one vector. The rows are read one after
-// the other over a run of up to 16 blocks (the memory streams as for one row at a time), their
-// sums kept for the run.
-template <bool FIVE>
-void rows8_q45_k(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float* out) {
-  constexpr int BYTES = FIVE ? 176 : 144, RUN = 16;
-  const Act* pa = &a;
-  __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
-  __m256i sum[RUN][8], msum[RUN][8];
-  alignas(32) float d[RUN][8], dmin[RUN][8];
-  for (int64_t i0 = 0, nb = K / 256; i0 < nb; i0 += RUN) {
-    const int n = static_cast<int>(std::min<int64_t>(RUN, nb - i0));
-    for (int r = 0; r < 8; ++r)
-      for (int k = 0; k < n; ++k) {
-        const uint8_t* b = row + r * stride + (i0 + k) * BYTES;
-        d[k][r] = h2f(b);
-        dmin[k][r] = h2f(b + 2);
-        q45_block<FIVE, 1>(b, &pa, i0 + k, &sum[k][r], &msum[k][r]);
-      }
-    for (int k = 0; k < n; ++k) {
-      const __m256 ad = _mm256_set1_ps(a.d[i0 + k]);
-      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(ad, _mm256_load_ps(d[k])), _mm256_cvtepi32_ps(totals8(sum[k]))));
-      mins = _mm256_add_ps(mins, _mm256_mul_ps(_mm256_mul_ps(ad, _mm256_load_ps(dmin[k])), _mm256_cvtepi32_ps(totals8(msum[k]))));
-    }
-  }
-  _mm256_storeu_ps(out, _mm256_sub_ps(acc, mins));
+
+#if defined(EXPERTCACHE_AVX2)
+// v[t] and v[4 + t] (t < R): the lanes of row t's two block sums; their totals enter `AccQ45`,
+// all eight transposed at once (`totals8`).
+template <int R>
+inline void add_totals(__m256i* v, AccQ45* acc, const Act* const* a, int64_t i, float d, float dmin) {
+  for (int t = R; t < 4; ++t) v[t] = v[4 + t] = _mm256_setzero_si256();
+  alignas(32) int32_t tot[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(tot), totals8(v));
+  for (int t = 0; t < R; ++t) acc[t].add(tot[t], tot[4 + t], a[t]->d[i], d, dmin);
 }
 #endif
 
@@ -860,9 +824,9 @@ void rows_q45_k(const uint8_t* row, const Act* const* a, int64_t K, float* out) 
     const uint8_t* b = row + i * BYTES;
     const float d = h2f(b), dmin = h2f(b + 2);
 #if defined(EXPERTCACHE_AVX2)
-    __m256i sum[R], msum[R];
-    q45_block<FIVE, R>(b, a, i, sum, msum);
-    for (int t = 0; t < R; ++t) acc[t].add(hsum_i32(sum[t]), hsum_i32(msum[t]), a[t]->d[i], d, dmin);
+    __m256i v[8];
+    q45_block<FIVE, R>(b, a, i, v, v + 4);
+    add_totals<R>(v, acc, a, i, d, dmin);
 #else
     const uint8_t *qh = b + 16, *qs = b + (FIVE ? 48 : 16);
     uint8_t sc8[8], m8[8];
@@ -887,60 +851,105 @@ void rows_q45_k(const uint8_t* row, const Act* const* a, int64_t K, float* out) 
   for (int t = 0; t < R; ++t) out[t] = acc[t].sum();
 }
 
-template <int R>
-void rows_q6_k(const uint8_t* row, const Act* const* a, int64_t K, float* out) {
-  AccK acc[R];
-  for (int64_t i = 0, nb = K / 256; i < nb; ++i) {
-    const uint8_t* b = row + i * 210;
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = h2f(b + 208);
-    alignas(32) int32_t sc32[16];
-    for (int j = 0; j < 16; ++j) sc32[j] = 32 * sc[j];
 #if defined(EXPERTCACHE_AVX2)
-    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
-    __m256i sum[R];
-    for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
-    for (int h = 0; h < 2; ++h) {  // one 32-weight run at a time: few registers live across the rows
-      const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + h * 32));
-      for (int s = 0; s < 4; ++s) {
-        __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + h * 64 + (s % 2) * 32));
-        lo = s < 2 ? _mm256_and_si256(lo, m4) : _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
-        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * s)), m2);
-        const int w = h * 128 + s * 32;
-        const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63
-        const __m256i scv = _mm256_setr_m128i(_mm_set1_epi16(sc[w / 16]), _mm_set1_epi16(sc[w / 16 + 1]));
-        for (int t = 0; t < R; ++t) {
-          const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t]->q.data() + i * 256 + w));
-          sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q, av), scv));
-        }
+// One Q6_K super-block against R activation rows: eight lanes of the scaled products of the
+// six-bit values (0..63) per row (`sum`), and eight of the offset's terms, 32 x scale x the
+// activations' sums of 16 (`off`); the block's integer is the difference of their totals.
+template <int R>
+inline void q6_block(const uint8_t* b, const Act* const* a, int64_t i, __m256i* sum, __m256i* off) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  alignas(32) int32_t sc32[16];
+  for (int j = 0; j < 16; ++j) sc32[j] = 32 * sc[j];
+  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+  for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {  // one 32-weight run at a time: few registers live across the rows
+    const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + h * 32));
+    for (int s = 0; s < 4; ++s) {
+      __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + h * 64 + (s % 2) * 32));
+      lo = s < 2 ? _mm256_and_si256(lo, m4) : _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
+      const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * s)), m2);
+      const int w = h * 128 + s * 32;
+      const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63
+      const __m256i scv = _mm256_setr_m128i(_mm_set1_epi16(sc[w / 16]), _mm_set1_epi16(sc[w / 16 + 1]));
+      for (int t = 0; t < R; ++t) {
+        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t]->q.data() + i * 256 + w));
+        sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q, av), scv));
       }
     }
-    for (int t = 0; t < R; ++t) {
-      const float f = a[t]->d[i] * d;
-      acc[t].lanes.add(sum[t], f);
-      acc[t].rest.add(lane_products(sc32, a[t]->bsum.data() + i * 16, true), f);
-    }
+  }
+  for (int t = 0; t < R; ++t) off[t] = lane_pairs(sc32, a[t]->bsum.data() + i * 16);
+}
+#endif
+
+// Q6_K: each super-block's integer (the scaled products minus the offset's terms) is exact and
+// formed whole, then enters the float sum as Q4_K's do (`AccQ45`, the offset's total taking the
+// place of the minimums' with the block's one scale).
+template <int R>
+void rows_q6_k(const uint8_t* row, const Act* const* a, int64_t K, float* out) {
+  AccQ45 acc[R];
+  for (int64_t i = 0, nb = K / 256; i < nb; ++i) {
+    const uint8_t* b = row + i * 210;
+    const float d = h2f(b + 208);
+#if defined(EXPERTCACHE_AVX2)
+    __m256i v[8];
+    q6_block<R>(b, a, i, v, v + 4);
+    add_totals<R>(v, acc, a, i, d, d);
 #else
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     for (int t = 0; t < R; ++t) {
       const int8_t* aq = a[t]->q.data() + i * 256;
-      int32_t sum[8] = {0}, offs[8];
+      int32_t sum = 0, off = 0;
       for (int h = 0; h < 2; ++h)
         for (int s = 0; s < 4; ++s)
           for (int l = 0; l < 32; ++l) {  // the run of 32 weights w .. w + 31
             const int w = h * 128 + s * 32;
             const int qv = ((ql[h * 64 + (s % 2) * 32 + l] >> (4 * (s / 2))) & 15) | (((qh[h * 32 + l] >> (2 * s)) & 3) << 4);
-            sum[l / 4] += sc[(w + l) / 16] * qv * aq[w + l];
+            sum += sc[(w + l) / 16] * qv * aq[w + l];
           }
-      lane_products(sc32, a[t]->bsum.data() + i * 16, true, offs);
-      const float f = a[t]->d[i] * d;
-      acc[t].lanes.add_ints(sum, f);
-      acc[t].rest.add_ints(offs, f);
+      for (int j = 0; j < 16; ++j) off += 32 * sc[j] * a[t]->bsum[i * 16 + j];
+      acc[t].add(sum, off, a[t]->d[i], d, d);
     }
 #endif
   }
   for (int t = 0; t < R; ++t) out[t] = acc[t].sum();
 }
+
+#if defined(EXPERTCACHE_AVX2)
+// Eight consecutive weight rows (`stride` bytes apart) against one activation row, for decode:
+// each row's integers and float steps are those of `rows_q45_k`/`rows_q6_k` with that row alone
+// (BLOCK forms them; the block's scales are fp16 at DOFF and MOFF), the eight
+// rows' float steps taken side by side in the lanes of one vector. The rows are read one after
+// the other over a run of up to 16 blocks (the memory streams as for one row at a time), their
+// sums kept for the run.
+using BlockSums = void (*)(const uint8_t*, const Act* const*, int64_t, __m256i*, __m256i*);
+
+template <int BYTES, int DOFF, int MOFF, BlockSums BLOCK>
+void rows8_k(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float* out) {
+  constexpr int RUN = 16;
+  const Act* pa = &a;
+  __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+  __m256i sum[RUN][8], msum[RUN][8];
+  alignas(32) float d[RUN][8], dmin[RUN][8];
+  for (int64_t i0 = 0, nb = K / 256; i0 < nb; i0 += RUN) {
+    const int n = static_cast<int>(std::min<int64_t>(RUN, nb - i0));
+    for (int r = 0; r < 8; ++r)
+      for (int k = 0; k < n; ++k) {
+        const uint8_t* b = row + r * stride + (i0 + k) * BYTES;
+        d[k][r] = h2f(b + DOFF);
+        dmin[k][r] = h2f(b + MOFF);
+        BLOCK(b, &pa, i0 + k, &sum[k][r], &msum[k][r]);
+      }
+    for (int k = 0; k < n; ++k) {
+      const __m256 ad = _mm256_set1_ps(a.d[i0 + k]);
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(ad, _mm256_load_ps(d[k])), _mm256_cvtepi32_ps(totals8(sum[k]))));
+      mins = _mm256_add_ps(mins, _mm256_mul_ps(_mm256_mul_ps(ad, _mm256_load_ps(dmin[k])), _mm256_cvtepi32_ps(totals8(msum[k]))));
+    }
+  }
+  _mm256_storeu_ps(out, _mm256_sub_ps(acc, mins));
+}
+#endif
 
 #if defined(EXPERTCACHE_AVX2)
 // Q4_K rows interleaved eight at a time, for many-row products. One super-block column of eight
@@ -1142,8 +1151,9 @@ using ActDot8 = void (*)(const uint8_t*, int64_t, const Act&, int64_t, float*);
 
 ActDot8 act_dot8_of(int64_t type) {
 #if defined(EXPERTCACHE_AVX2)
-  if (type == Q4_K) return rows8_q45_k<false>;
-  if (type == Q5_K) return rows8_q45_k<true>;
+  if (type == Q4_K) return rows8_k<144, 0, 2, q45_block<false, 1>>;
+  if (type == Q5_K) return rows8_k<176, 0, 2, q45_block<true, 1>>;
+  if (type == Q6_K) return rows8_k<210, 208, 208, q6_block<1>>;
 #endif
   (void)type;
   return nullptr;
