@@ -115,7 +115,7 @@ def test_gemm_act8_rows_are_the_one_row_products(native, name):
                        with_threads(2, lambda: native.gemm_act8(raw, qtype, x)))
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "Q2_K"])
 def test_a_row_gives_the_same_bits_alone_and_among_others(native, name):
     """Kernels that take eight weight rows at once (decode) or interleave them (prefill) give each
     row the bits of a product of that row alone, whatever the split across threads."""

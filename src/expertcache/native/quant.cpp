@@ -587,44 +587,23 @@ inline __m256i dot_i8(__m256i w, __m256i a) {
   const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
   return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
+
+// Eight vectors' lane totals as one vector (lane r: the total of v[r]).
+inline __m256i totals8(const __m256i* v) {
+  const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+}
 #endif
 
-// The 32-weight types (one fp16 scale per block): each block gives eight exact int32 sums, lane j
-// over weights 4j..4j+3, which are scaled and added into eight fp32 lanes in block order; the
-// lanes are summed in a fixed order at the end of the row. The plain build forms the same lane
-// sums and takes the same float steps (multiply, then add), so the two builds agree bit for bit.
-struct Acc8 {
-#if defined(EXPERTCACHE_AVX2)
-  __m256 v = _mm256_setzero_ps();
-  void add(__m256i sums, float scale) {
-    v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(sums)));
-  }
-  float sum() const {
-    alignas(32) float l[8];
-    _mm256_store_ps(l, v);
-    float s = 0.f;
-    for (int i = 0; i < 8; ++i) s += l[i];
-    return s;
-  }
-#else
-  float l[8] = {0};
-  void add_ints(const int32_t* sums, float scale) {
-    for (int j = 0; j < 8; ++j) l[j] += scale * static_cast<float>(sums[j]);
-  }
-  // w: the block's 32 weights as integers
-  void add(const int8_t* w, const int8_t* a, float scale) {
-    for (int j = 0; j < 8; ++j) {
-      int32_t t = 0;
-      for (int i = 4 * j; i < 4 * j + 4; ++i) t += static_cast<int32_t>(w[i]) * a[i];
-      l[j] += scale * static_cast<float>(t);
-    }
-  }
-  float sum() const {
-    float s = 0.f;
-    for (int i = 0; i < 8; ++i) s += l[i];
-    return s;
-  }
-#endif
+// The 32-weight types (one fp16 scale per block): each block's integer sum is exact and formed
+// whole, then enters one float sum, scaled by the block's d times the activations' (multiply,
+// then add): a row's bits do not depend on how rows are grouped (eight per decode call,
+// `rows8_32`; interleaved tiles in prefill, `tile_32`), and the plain build takes the same steps.
+struct Acc1 {
+  float v = 0.f;
+  void add(int32_t total, float scale) { v += scale * static_cast<float>(total); }
+  float sum() const { return v; }
 };
 
 #if defined(EXPERTCACHE_AVX2)
@@ -678,44 +657,43 @@ void ints_iq4_nl(const uint8_t* b, int8_t* w) {
 }
 #endif
 
-// One row of a 32-weight type against its rounded activations.
-template <Ints32 INTS, int BYTES>
-float row_dot_32(const uint8_t* row, const Act& a, int64_t K) {
-  Acc8 acc;
-  for (int64_t i = 0, nb = K / 32; i < nb; ++i) {
-    const uint8_t* b = row + i * BYTES;
-    const int8_t* aq = a.q.data() + i * 32;
-    const float scale = h2f(b) * a.d[i];
-#if defined(EXPERTCACHE_AVX2)
-    acc.add(dot_i8(INTS(b), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq))), scale);
-#else
-    alignas(32) int8_t w[32];
-    INTS(b, w);
-    acc.add(w, aq, scale);
-#endif
-  }
-  return acc.sum();
-}
-
 // Up to four rows against one row of a 32-weight type: each block decoded once, each row's sums
-// and float steps those of `row_dot_32` with that row alone.
+// and float steps those of the row alone.
 template <Ints32 INTS, int BYTES, int R>
 void rows_32(const uint8_t* row, const Act* const* a, int64_t K, float* out) {
-  Acc8 acc[R];
+  Acc1 acc[R];
   for (int64_t i = 0, nb = K / 32; i < nb; ++i) {
     const uint8_t* b = row + i * BYTES;
     const float d = h2f(b);
 #if defined(EXPERTCACHE_AVX2)
     const __m256i w = INTS(b);
-    for (int t = 0; t < R; ++t)
-      acc[t].add(dot_i8(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t]->q.data() + i * 32))), d * a[t]->d[i]);
+    __m256i v[8];
+    for (int t = 0; t < 8; ++t)
+      v[t] = t < R ? dot_i8(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t]->q.data() + i * 32)))
+                   : _mm256_setzero_si256();
+    alignas(32) int32_t tot[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tot), totals8(v));
+    for (int t = 0; t < R; ++t) acc[t].add(tot[t], d * a[t]->d[i]);
 #else
     alignas(32) int8_t w[32];
     INTS(b, w);
-    for (int t = 0; t < R; ++t) acc[t].add(w, a[t]->q.data() + i * 32, d * a[t]->d[i]);
+    for (int t = 0; t < R; ++t) {
+      const int8_t* aq = a[t]->q.data() + i * 32;
+      int32_t total = 0;
+      for (int l = 0; l < 32; ++l) total += static_cast<int32_t>(w[l]) * aq[l];
+      acc[t].add(total, d * a[t]->d[i]);
+    }
 #endif
   }
   for (int t = 0; t < R; ++t) out[t] = acc[t].sum();
+}
+
+template <Ints32 INTS, int BYTES>
+float row_dot_32(const uint8_t* row, const Act& a, int64_t K) {
+  const Act* p = &a;
+  float y;
+  rows_32<INTS, BYTES, 1>(row, &p, K, &y);
+  return y;
 }
 
 // The 256-weight K-quants: each super-block's integers are exact and formed whole (`AccQ45`). A
@@ -795,12 +773,6 @@ inline void q45_block(const uint8_t* b, const Act* const* a, int64_t i, __m256i*
     msum[t] = _mm256_madd_epi16(m32, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t]->bsum32.data() + i * 8)));
 }
 
-// Eight vectors' lane totals as one vector (lane r: the total of v[r]).
-inline __m256i totals8(const __m256i* v) {
-  const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
-}
 #endif
 
 
@@ -949,6 +921,44 @@ void rows8_k(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float*
   }
   _mm256_storeu_ps(out, _mm256_sub_ps(acc, mins));
 }
+
+// Eight consecutive rows of a 32-weight type against one activation row, each row's steps those
+// of `rows_32` with that row alone. Each row is read as one run of up to 64 blocks, its block
+// totals formed eight at a time (`totals8`, lane = block) and kept; the float steps then take
+// the eight rows' totals of a block side by side (a gather across the kept rows).
+template <Ints32 INTS, int BYTES>
+void rows8_32(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float* out) {
+  constexpr int RUN = 64;
+  __m256 acc = _mm256_setzero_ps();
+  alignas(32) int32_t tot[8][RUN];
+  alignas(32) float d[RUN][8];
+  const __m256i across = _mm256_setr_epi32(0, RUN, 2 * RUN, 3 * RUN, 4 * RUN, 5 * RUN, 6 * RUN, 7 * RUN);
+  for (int64_t i0 = 0, nb = K / 32; i0 < nb; i0 += RUN) {
+    const int n = static_cast<int>(std::min<int64_t>(RUN, nb - i0));
+    for (int r = 0; r < 8; ++r)
+      for (int k0 = 0; k0 < n; k0 += 8) {
+        __m256i v[8];
+        for (int j = 0; j < 8; ++j) {
+          const int k = k0 + j;
+          if (k >= n) {
+            v[j] = _mm256_setzero_si256();
+            continue;
+          }
+          const uint8_t* b = row + r * stride + (i0 + k) * BYTES;
+          d[k][r] = h2f(b);
+          v[j] = dot_i8(INTS(b), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (i0 + k) * 32)));
+        }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tot[r] + k0), totals8(v));
+      }
+    for (int k = 0; k < n; ++k) {
+      const __m256i t = _mm256_i32gather_epi32(tot[0] + k, across, 4);
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(d[k]), _mm256_set1_ps(a.d[i0 + k])),
+                                             _mm256_cvtepi32_ps(t)));
+    }
+  }
+  _mm256_storeu_ps(out, acc);
+}
+
 #endif
 
 #if defined(EXPERTCACHE_AVX2)
@@ -1043,8 +1053,71 @@ void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out)
   for (int t = 0; t < R; ++t) _mm256_storeu_ps(out + t * 8, _mm256_sub_ps(acc[t], mins[t]));
 }
 
+// 32-weight rows interleaved eight at a time, for many-row products: per block of eight rows
+// (272 bytes) their d (fp16, 16 bytes), then for each 4-weight group c the eight rows' weights as
+// signed bytes side by side ([c][row][4], 256 bytes); the integers and float steps are
+// `rows_32`'s, as `tile_q4_k`'s are `rows_q45_k`'s.
+constexpr int64_t kTile32 = 272;
+
+template <Ints32 INTS, int BYTES>
+void tiles_32(const uint8_t* rows, int64_t stride, int64_t nb, uint8_t* out) {
+  for (int64_t i = 0; i < nb; ++i) {
+    uint8_t* t = out + i * kTile32;
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* b = rows + r * stride + i * BYTES;
+      std::memcpy(t + 2 * r, b, 2);
+      alignas(32) int8_t w[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w), INTS(b));
+      for (int c = 0; c < 8; ++c) std::memcpy(t + 16 + c * 32 + r * 4, w + c * 4, 4);
+    }
+  }
+}
+
+template <int R>
+void tile_32(const uint8_t* tiles, const Act* const* a, int64_t K, float* out) {
+  __m256 acc[R];
+  for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t i = 0, nb = K / 32; i < nb; ++i) {
+    const uint8_t* tl = tiles + i * kTile32;
+    __m256i sum[R];
+    for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tl + 16 + c * 32)), av = _mm256_sign_epi8(v, v);
+      for (int t = 0; t < R; ++t) {
+        int32_t x;
+        std::memcpy(&x, a[t]->q.data() + i * 32 + c * 4, 4);
+        sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(_mm256_set1_epi32(x), v)), ones));
+      }
+    }
+    const __m256 d = half8(tl);
+    for (int t = 0; t < R; ++t)
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[t]->d[i])), _mm256_cvtepi32_ps(sum[t])));
+  }
+  for (int t = 0; t < R; ++t) _mm256_storeu_ps(out + t * 8, acc[t]);
+}
+
+// A type's tiles for many-row products: bytes per block of eight rows, weights per block, how
+// they are formed from the file's rows, and the kernels for 1-4 activation rows.
 using Tile4 = void (*)(const uint8_t*, const Act* const*, int64_t, float*);
-const Tile4 kTileQ4K[4] = {tile_q4_k<1>, tile_q4_k<2>, tile_q4_k<3>, tile_q4_k<4>};
+struct Tiling {
+  int64_t bytes = 0, block = 0;
+  void (*form)(const uint8_t*, int64_t, int64_t, uint8_t*) = nullptr;
+  Tile4 kern[4] = {nullptr, nullptr, nullptr, nullptr};
+};
+
+Tiling tiling_of(int64_t type) {
+  const Tiling t32 = {kTile32, 32, nullptr, {tile_32<1>, tile_32<2>, tile_32<3>, tile_32<4>}};
+  Tiling t = t32;
+  switch (type) {
+    case Q4_K: return {kQ4KTile, 256, q4k_tiles, {tile_q4_k<1>, tile_q4_k<2>, tile_q4_k<3>, tile_q4_k<4>}};
+    case Q8_0: t.form = tiles_32<ints_q8_0, 34>; return t;
+    case Q4_0: t.form = tiles_32<ints_q4_0, 18>; return t;
+    case Q5_0: t.form = tiles_32<ints_q5_0, 22>; return t;
+    case IQ4_NL: t.form = tiles_32<ints_iq4_nl, 18>; return t;
+    default: return {};
+  }
+}
 #endif
 
 // Up to four activation rows against one weight row, for the types with a multi-row kernel.
@@ -1154,6 +1227,10 @@ ActDot8 act_dot8_of(int64_t type) {
   if (type == Q4_K) return rows8_k<144, 0, 2, q45_block<false, 1>>;
   if (type == Q5_K) return rows8_k<176, 0, 2, q45_block<true, 1>>;
   if (type == Q6_K) return rows8_k<210, 208, 208, q6_block<1>>;
+  if (type == Q8_0) return rows8_32<ints_q8_0, 34>;
+  if (type == Q4_0) return rows8_32<ints_q4_0, 18>;
+  if (type == Q5_0) return rows8_32<ints_q5_0, 22>;
+  if (type == IQ4_NL) return rows8_32<ints_iq4_nl, 18>;
 #endif
   (void)type;
   return nullptr;
@@ -1234,24 +1311,26 @@ torch::Tensor gemm_act8(const torch::Tensor& w, int64_t type, const torch::Tenso
     return y;
   }
 #if defined(EXPERTCACHE_AVX2)
-  // Q4_K: eight weight rows at a time as tiles (`q4k_tiles`), formed into a per-thread buffer of
+  // Eight weight rows at a time as tiles (`tiling_of`), formed into a per-thread buffer of
   // about 16 KB and taken against each group of four activation rows in turn; rows past the last
   // whole eight take the path below, with the same results.
   int64_t done = 0;
-  if (type == Q4_K && T > 1 && N >= 8) {
-    const int64_t nb = K / 256, groups = N / 8, per = std::max<int64_t>(1, (16 << 10) / (nb * kQ4KTile));
+  const Tiling tiling = tiling_of(type);
+  if (tiling.form && T > 1 && N >= 8) {
+    const int64_t nb = K / tiling.block, tile = nb * tiling.bytes, groups = N / 8;
+    const int64_t per = std::max<int64_t>(1, (16 << 10) / tile);
     at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
-      std::vector<uint8_t> buf(per * nb * kQ4KTile);
+      std::vector<uint8_t> buf(per * tile);
       for (int64_t g0 = begin; g0 < end; g0 += per) {
         const int64_t g1 = std::min(end, g0 + per);
-        for (int64_t g = g0; g < g1; ++g) q4k_tiles(W + g * 8 * stride, stride, nb, buf.data() + (g - g0) * nb * kQ4KTile);
+        for (int64_t g = g0; g < g1; ++g) tiling.form(W + g * 8 * stride, stride, nb, buf.data() + (g - g0) * tile);
         for (int64_t t = 0; t < T; t += 4) {
           const int n = static_cast<int>(std::min<int64_t>(4, T - t));
           const Act* group[4];
           for (int j = 0; j < n; ++j) group[j] = &acts[t + j];
           for (int64_t g = g0; g < g1; ++g) {
             float o[32];
-            kTileQ4K[n - 1](buf.data() + (g - g0) * nb * kQ4KTile, group, K, o);
+            tiling.kern[n - 1](buf.data() + (g - g0) * tile, group, K, o);
             for (int j = 0; j < n; ++j) std::memcpy(Y + (t + j) * N + g * 8, o + j * 8, 8 * sizeof(float));
           }
         }
