@@ -1097,6 +1097,84 @@ void tile_32(const uint8_t* tiles, const Act* const* a, int64_t K, float* out) {
   for (int t = 0; t < R; ++t) _mm256_storeu_ps(out + t * 8, acc[t]);
 }
 
+// Q6_K rows interleaved eight at a time, for many-row products: per block of eight rows (2320
+// bytes) their d (fp16, 16 bytes), the sixteen sub-block scales of each row ([sub-block][row],
+// 128 bytes) and again in pairs ([pair][row][2], 128 bytes, for the offset's terms), then the
+// six-bit values (0..63) as bytes, for each 4-weight group g the eight rows' side by side
+// ([g][row][4], 2048 bytes). The integers and float steps are `rows_q6_k`'s.
+constexpr int64_t kQ6KTile = 2320;
+
+void q6k_tiles(const uint8_t* rows, int64_t stride, int64_t nb, uint8_t* out) {
+  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+  for (int64_t i = 0; i < nb; ++i) {
+    uint8_t* t = out + i * kQ6KTile;
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* b = rows + r * stride + i * 210;
+      const uint8_t *ql = b, *qh = b + 128, *sc = b + 192;
+      std::memcpy(t + 2 * r, b + 208, 2);
+      for (int j = 0; j < 16; ++j) {
+        t[16 + j * 8 + r] = sc[j];
+        t[144 + (j / 2) * 16 + r * 2 + j % 2] = sc[j];
+      }
+      alignas(32) uint8_t q[256];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + h * 32));
+        for (int s = 0; s < 4; ++s) {
+          __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + h * 64 + (s % 2) * 32));
+          lo = s < 2 ? _mm256_and_si256(lo, m4) : _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
+          const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * s)), m2);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(q + h * 128 + s * 32), _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
+        }
+      }
+      for (int g = 0; g < 64; ++g) std::memcpy(t + 272 + g * 32 + r * 4, q + g * 4, 4);
+    }
+  }
+}
+
+template <int R>
+void tile_q6_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out) {
+  __m256 acc[R], offs[R];
+  for (int t = 0; t < R; ++t) acc[t] = offs[t] = _mm256_setzero_ps();
+  for (int64_t i = 0, nb = K / 256; i < nb; ++i) {
+    const uint8_t* tl = tiles + i * kQ6KTile;
+    __m256i sum[R];
+    for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
+    for (int j = 0; j < 16; ++j) {  // sub-block j: groups 4j .. 4j + 3
+      const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tl + 16 + j * 8));
+      const __m256i scj = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(c, c));
+      for (int h = 0; h < 2; ++h) {  // two groups at a time: 2 x 2 x 63 x 127 fits 16 bits
+        const int g = 4 * j + 2 * h;
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tl + 272 + g * 32));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tl + 272 + (g + 1) * 32));
+        for (int t = 0; t < R; ++t) {
+          const int8_t* aq = a[t]->q.data() + i * 256 + g * 4;
+          int32_t x0, x1;
+          std::memcpy(&x0, aq, 4);
+          std::memcpy(&x1, aq + 4, 4);
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(v0, _mm256_set1_epi32(x0)),
+                                             _mm256_maddubs_epi16(v1, _mm256_set1_epi32(x1)));
+          sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(p, scj));
+        }
+      }
+    }
+    const __m256 d = half8(tl);
+    for (int t = 0; t < R; ++t) {
+      const int32_t* bs = a[t]->bsum.data() + i * 16;
+      __m256i off = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const int32_t pair = static_cast<int32_t>((static_cast<uint32_t>(static_cast<uint16_t>(bs[2 * j + 1])) << 16) |
+                                                  static_cast<uint16_t>(bs[2 * j]));
+        off = _mm256_add_epi32(off, _mm256_madd_epi16(
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tl + 144 + 16 * j))), _mm256_set1_epi32(pair)));
+      }
+      const __m256 f = _mm256_mul_ps(_mm256_set1_ps(a[t]->d[i]), d);
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(f, _mm256_cvtepi32_ps(sum[t])));
+      offs[t] = _mm256_add_ps(offs[t], _mm256_mul_ps(f, _mm256_cvtepi32_ps(_mm256_slli_epi32(off, 5))));
+    }
+  }
+  for (int t = 0; t < R; ++t) _mm256_storeu_ps(out + t * 8, _mm256_sub_ps(acc[t], offs[t]));
+}
+
 // A type's tiles for many-row products: bytes per block of eight rows, weights per block, how
 // they are formed from the file's rows, and the kernels for 1-4 activation rows.
 using Tile4 = void (*)(const uint8_t*, const Act* const*, int64_t, float*);
@@ -1111,6 +1189,7 @@ Tiling tiling_of(int64_t type) {
   Tiling t = t32;
   switch (type) {
     case Q4_K: return {kQ4KTile, 256, q4k_tiles, {tile_q4_k<1>, tile_q4_k<2>, tile_q4_k<3>, tile_q4_k<4>}};
+    case Q6_K: return {kQ6KTile, 256, q6k_tiles, {tile_q6_k<1>, tile_q6_k<2>, tile_q6_k<3>, tile_q6_k<4>}};
     case Q8_0: t.form = tiles_32<ints_q8_0, 34>; return t;
     case Q4_0: t.form = tiles_32<ints_q4_0, 18>; return t;
     case Q5_0: t.form = tiles_32<ints_q5_0, 22>; return t;
