@@ -328,3 +328,46 @@ def test_act8_products_equal_ggmls_recorded_ones(native):
         rel = float((got - want).abs().max() / scale)
         assert rel < (1e-4 if qtype in (Q.Q4_1, Q.Q5_1) else 1e-6), (name, rel)
         assert float((native.gemv(raw, qtype, x) - want).abs().max() / scale) > 20 * rel, name
+
+
+def _blocks(obj, out: list, depth: int = 0) -> list:
+    """The QuantTensors reachable from a model's dense weights."""
+    if isinstance(obj, QuantTensor):
+        out.append(obj)
+    elif isinstance(obj, RowParts):
+        for p in obj.parts:
+            _blocks(p, out, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _blocks(v, out, depth + 1)
+    elif depth < 4 and hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            _blocks(getattr(obj, name, None), out, depth + 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dense_blocks_interleaved_for_the_kernels_give_the_same_bits(monkeypatch, dtype):
+    """Q4_K and Q8_0 matrices that only the integer kernels multiply are held as tiles of eight
+    rows; prompt and decode logits equal those of the file's rows bit for bit."""
+    path = FIXTURES / "qwen2_moe-Q4_K_M.gguf"
+    ids = record(FIXTURES, "qwen2_moe-Q4_K_M")["heldout"]["tokens"][:30]
+
+    def run():
+        m = expertcache.load(path, dtype=dtype, activations="q8")
+        s = m.new_session()
+        out = [m.prefill(s, ids[:20], ubatch=8, all_logits=True)] + [m.prefill(s, [t], all_logits=True) for t in ids[20:]]
+        return torch.cat(out), _blocks(m.net.weights, [])
+
+    got, blocks = run()
+    tiled = [b for b in blocks if b.tiled]
+    assert {b.qtype for b in tiled} <= set(kernels.TILED_TYPES)
+    if load_quant_native().isa == "avx2":
+        assert tiled and all(b.raw.shape[0] * 8 == b.shape[0] for b in tiled)
+        assert not any(b.tiled for b in blocks if b is not None and b.qtype not in kernels.TILED_TYPES)
+    monkeypatch.setattr(kernels.Kernels, "tiles", lambda self, w: w)
+    want, blocks = run()
+    assert not any(b.tiled for b in blocks)
+    assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="tiles"):
+        tiled[0].rows(0, 8) if tiled else blocks[0].__class__(blocks[0].raw, blocks[0].qtype, blocks[0].shape, True).rows(0, 8)

@@ -8,7 +8,9 @@ Qwen3-30B-A3B's expert shapes: gate/up [768, 2048] and down [2048, 768], for Q4_
 and the native kernels with 8-bit activations (`act8`, llama.cpp's integer products), plus
 `torch.mv` on the same shapes in bf16 (what a resident bf16 expert costs) and one decode
 wave of 8 SwiGLU experts in Q4_K_M's layout (Q4_K gate/up, Q6_K down) through `experts` against
-the torch path. Weights are random valid blocks on the huge-page memory the engine uses; paths
+the torch path; for Q4_K and Q8_0 also the act8 product from the rows interleaved eight at a
+time as the engine holds its dense matrices (`act8 tiles`, `Kernels.tiles`; the same bits as
+`native act8`). Weights are random valid blocks on the huge-page memory the engine uses; paths
 alternate for `--rounds` rounds and medians are reported.
 
 The native kernels are compiled on first use (a minute or more), which needs a C++ compiler
@@ -37,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from expertcache.errors import ExpertCacheError  # noqa: E402
 from expertcache.kernels.dequant import dequantize_into  # noqa: E402
 from expertcache.kernels.quant_native import load_quant_native  # noqa: E402
-from expertcache.memory import host_zeros  # noqa: E402
+from expertcache.kernels import TILED_TYPES  # noqa: E402
+from expertcache.memory import host_copy, host_zeros  # noqa: E402
 
 SHAPES = {"gate/up": (768, 2048), "down": (2048, 768)}  # (N, K)
 TYPES = (Q.Q4_K, Q.Q6_K, Q.Q8_0)
@@ -103,13 +106,19 @@ def main(argv=None) -> int:
             raw, x = random_blocks(qtype, count, n, k, rng), xs[k]
             a, b = mod.gemv(raw[0], qtype, x), torch_path(raw[0], qtype, x)
             diffs[f"{qtype.name} {label}"] = ((a - b).abs().max() / b.abs().max()).item()
-            cases.append((f"{qtype.name} {label}", raw[0].numel(), {
+            paths = {
                 f"native ({mod.isa})": lambda raw=raw, qtype=qtype, x=x: [mod.gemv(raw[i], qtype, x) for i in range(count)],
                 "native act8": lambda raw=raw, qtype=qtype, x=x: [mod.gemv(raw[i], qtype, x, act8=True)
                                                                   for i in range(count)],
                 "dequantize+mv": lambda raw=raw, qtype=qtype, x=x: [torch_path(raw[i], qtype, x) for i in range(count)],
                 "native deq+mv": lambda raw=raw, qtype=qtype, x=x: [native_dq(raw[i], qtype, x) for i in range(count)],
-            }))
+            }
+            if mod.isa == "avx2" and qtype in TILED_TYPES:  # the rows interleaved as `Kernels.tiles` holds them
+                tiles = [host_copy(mod.tile_rows(raw[i], qtype, k)) for i in range(count)]
+                assert torch.equal(mod.gemm_tiles(tiles[0], qtype, x[None])[0], mod.gemv(raw[0], qtype, x, act8=True))
+                paths["act8 tiles"] = lambda tiles=tiles, qtype=qtype, x=x: [mod.gemm_tiles(t, qtype, x[None])
+                                                                             for t in tiles]
+            cases.append((f"{qtype.name} {label}", raw[0].numel(), paths))
     for label, (n, k) in SHAPES.items():
         w = host_zeros((count, n, k), torch.bfloat16)
         w.copy_(torch.randn(count, n, k) * 0.02)

@@ -473,7 +473,7 @@ def _assemble(path: Path, options: LoadOptions, kernels: Kernels | None,
     if kernels is None:  # before the weights: a bad choice costs nothing
         quantized = any(opened.experts.format(i).quantized for i in opened.cfg.moe_layers)
         kernels = select_kernels(options.kernels, options.device, dtype, quantized, options.activations)
-    dense = load_dense(opened, options.device, dtype, kernels.multiplies_blocks)
+    dense = load_dense(opened, options.device, dtype, kernels.multiplies_blocks, kernels.tiles)
     if experts is None:
         experts = build_experts(opened.experts, options.cache, options.device, dtype)
     else:

@@ -50,18 +50,27 @@ def nbytes(s: Storage, shape: tuple[int, ...]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class QuantTensor:
-    """A quantized matrix: `raw` [rows, row bytes] uint8 holding the blocks of `shape` [rows, cols]."""
+    """A quantized matrix: `raw` [rows, row bytes] uint8 holding the blocks of `shape` [rows, cols],
+    or, with `tiled`, [rows / 8, tile bytes]: the rows interleaved eight at a time for the native
+    integer kernels (`Kernels.tiles`), which only they read."""
 
     raw: torch.Tensor
     qtype: GGMLQuantizationType
     shape: tuple[int, int]
+    tiled: bool = False
 
     def rows(self, start: int, stop: int) -> QuantTensor:
+        self._file_rows("rows")
         return QuantTensor(self.raw[start:stop], self.qtype, (stop - start, self.shape[1]))
 
     def take(self, index: torch.Tensor) -> QuantTensor:
         """Rows `index` (a permutation or selection), as a new matrix: each row is its own blocks."""
+        self._file_rows("take")
         return QuantTensor(self.raw[index].contiguous(), self.qtype, (len(index), self.shape[1]))
+
+    def _file_rows(self, what: str) -> None:
+        if self.tiled:
+            raise TypeError(f"QuantTensor.{what}: the rows are interleaved tiles, not the file's rows")
 
     @property
     def nbytes(self) -> int:
@@ -74,6 +83,8 @@ class QuantTensor:
     def cat(parts: list[QuantTensor]) -> QuantTensor | None:
         """The parts' rows one after another, as one matrix; None unless they share type and width."""
         first = parts[0]
+        for p in parts:
+            p._file_rows("cat")
         if any(p.qtype != first.qtype or p.shape[1] != first.shape[1] for p in parts):
             return None
         return QuantTensor(torch.cat([p.raw for p in parts]), first.qtype,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -221,7 +222,8 @@ def open_model(path: str | Path) -> OpenedModel:
     return OpenedModel(path, cfg, arch, ckpt, layout, experts)
 
 
-def load_dense(m: OpenedModel, device: torch.device, dtype: torch.dtype, blocks: bool = False) -> DenseWeights:
+def load_dense(m: OpenedModel, device: torch.device, dtype: torch.dtype, blocks: bool = False,
+               tiles: Callable[[QuantTensor], QuantTensor] | None = None) -> DenseWeights:
     """Embedding, final norm, LM head and every layer's dense weights, in `dtype` on `device`.
     `blocks`: the kernels multiply quantized blocks, so a GGUF's quantized matrices stay as the
     file's blocks (`GGUFDense.matrix`) where the converter left them so."""
@@ -234,17 +236,23 @@ def load_dense(m: OpenedModel, device: torch.device, dtype: torch.dtype, blocks:
         # Weights every step reads go to huge-page memory; fused ones are joined first.
         return host_copy(read(name))
 
-    def matrices(names: list[str]) -> Weight:
+    def blocks_of(q: QuantTensor, tile: bool) -> QuantTensor:
+        if tile and tiles is not None and (t := tiles(q)) is not q:
+            return QuantTensor(host_copy(t.raw), t.qtype, t.shape, tiled=True)
+        return QuantTensor(host_copy(q.raw), q.qtype, q.shape)
+
+    def matrices(names: list[str], tile: bool = True) -> Weight:
         """Matrices multiplied as one (their rows joined): the file's blocks where they all stay
-        blocks of one type, floats where none does, else each part as it stays (`RowParts`)."""
+        blocks of one type, floats where none does, else each part as it stays (`RowParts`).
+        Blocks only ever multiplied are interleaved for the kernels where `tiles` says so; an
+        embedding table (`tile=False`) keeps the file's rows, which a lookup reads one by one."""
         if blocks and hasattr(ckpt, "matrix"):
             parts = [ckpt.matrix(n) for n in names]
             if all(p is None for p in parts):
                 return host_copy(torch.cat([read(n) for n in names]))
             if all(p is not None for p in parts) and (joined := QuantTensor.cat(parts)) is not None:
-                return QuantTensor(host_copy(joined.raw), joined.qtype, joined.shape)
-            kept = tuple(get(n) if p is None else QuantTensor(host_copy(p.raw), p.qtype, p.shape)
-                         for n, p in zip(names, parts))
+                return blocks_of(joined, tile)
+            kept = tuple(get(n) if p is None else blocks_of(p, tile) for n, p in zip(names, parts))
             return RowParts(kept, (sum(p.shape[0] for p in kept), kept[0].shape[1]))
         return host_copy(torch.cat([read(n) for n in names]))
 
@@ -256,7 +264,7 @@ def load_dense(m: OpenedModel, device: torch.device, dtype: torch.dtype, blocks:
                           matrices([prefix + "down_proj.weight"]))
 
     reader = Reader(read, host_copy, lambda name: name in ckpt, matrices)
-    embed = matrices([N["embed"]])
+    embed = matrices([N["embed"]], tile=False)
     lm_head = embed if cfg.tie_word_embeddings else matrices([N["lm_head"]])
     layers = []
     block = m.arch.block(cfg)

@@ -971,6 +971,22 @@ void rows8_32(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float
 // a sum is one row's: the block's integers come out whole per row, as `rows_q45_k` forms them,
 // and the float steps (`AccQ45`) are the same, so each row's result is bit for bit the one-row
 // product's. The tiles are formed from the file's rows when a product starts (`q4k_tiles`).
+// Eight rows' products of pairs: for j < N, the rows' two 8-bit values at w[j][row][0..1]
+// (widened, signed or not) times the activations' sums bs[2j] and bs[2j + 1] (each fits 16
+// bits), added up: one int32 lane per row.
+template <int N, bool SIGNED>
+inline __m256i pair_products(const uint8_t* w, const int32_t* bs) {
+  __m256i s = _mm256_setzero_si256();
+  for (int j = 0; j < N; ++j) {
+    const int32_t pair = static_cast<int32_t>((static_cast<uint32_t>(static_cast<uint16_t>(bs[2 * j + 1])) << 16) |
+                                              static_cast<uint16_t>(bs[2 * j]));
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * j));
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(SIGNED ? _mm256_cvtepi8_epi16(v) : _mm256_cvtepu8_epi16(v),
+                                              _mm256_set1_epi32(pair)));
+  }
+  return s;
+}
+
 constexpr int64_t kQ4KTile = 1184;
 
 void q4k_tiles(const uint8_t* rows, int64_t stride, int64_t nb, uint8_t* out) {
@@ -1037,14 +1053,7 @@ void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out)
     }
     const __m256 d = half8(tl), dmin = half8(tl + 16);
     for (int t = 0; t < R; ++t) {
-      const int32_t* bs = a[t]->bsum32.data() + i * 8;
-      __m256i msum = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        const int32_t pair = static_cast<int32_t>((static_cast<uint32_t>(static_cast<uint16_t>(bs[2 * j + 1])) << 16) |
-                                                  static_cast<uint16_t>(bs[2 * j]));
-        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(
-            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tl + 96 + 16 * j))), _mm256_set1_epi32(pair)));
-      }
+      const __m256i msum = pair_products<4, false>(tl + 96, a[t]->bsum32.data() + i * 8);
       const __m256 ad = _mm256_set1_ps(a[t]->d[i]);
       acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(ad, d), _mm256_cvtepi32_ps(sum[t])));
       mins[t] = _mm256_add_ps(mins[t], _mm256_mul_ps(_mm256_mul_ps(ad, dmin), _mm256_cvtepi32_ps(msum)));
@@ -1159,14 +1168,7 @@ void tile_q6_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out)
     }
     const __m256 d = half8(tl);
     for (int t = 0; t < R; ++t) {
-      const int32_t* bs = a[t]->bsum.data() + i * 16;
-      __m256i off = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) {
-        const int32_t pair = static_cast<int32_t>((static_cast<uint32_t>(static_cast<uint16_t>(bs[2 * j + 1])) << 16) |
-                                                  static_cast<uint16_t>(bs[2 * j]));
-        off = _mm256_add_epi32(off, _mm256_madd_epi16(
-            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tl + 144 + 16 * j))), _mm256_set1_epi32(pair)));
-      }
+      const __m256i off = pair_products<8, true>(tl + 144, a[t]->bsum.data() + i * 16);
       const __m256 f = _mm256_mul_ps(_mm256_set1_ps(a[t]->d[i]), d);
       acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(f, _mm256_cvtepi32_ps(sum[t])));
       offs[t] = _mm256_add_ps(offs[t], _mm256_mul_ps(f, _mm256_cvtepi32_ps(_mm256_slli_epi32(off, 5))));
@@ -1362,6 +1364,89 @@ torch::Tensor gemv_decoded(const torch::Tensor& w, int64_t type, const torch::Te
 // Y [T, N]: each row of x [T, K] rounded as `gemv(..., act8=true)` rounds it, times W [N, K] of
 // ggml type `type` (raw rows); fp32. Row t of Y equals gemv(w, type, x[t], act8=true) bit for bit:
 // the same kernels, with up to four rows of x taken against one decoded weight block at a time.
+#if defined(EXPERTCACHE_AVX2)
+// Columns [0, 8 * groups) of Y [T, N] (T = acts.size()) from tiles of eight weight rows: formed
+// from raw rows `stride` bytes apart into a per-thread buffer of about 16 KB, or read where they
+// lie (`formed`: W holds [groups, tile bytes]); each chunk of tiles is taken against each group
+// of four activation rows in turn, so that both stay in the first-level cache.
+void tile_products(const Tiling& tiling, const uint8_t* W, int64_t stride, bool formed, int64_t groups,
+                   const std::vector<Act>& acts, int64_t K, float* Y, int64_t N) {
+  const int64_t T = static_cast<int64_t>(acts.size()), nb = K / tiling.block, tile = nb * tiling.bytes;
+  const int64_t per = std::max<int64_t>(1, (16 << 10) / tile);
+  at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> buf(formed ? 0 : per * tile);
+    for (int64_t g0 = begin; g0 < end; g0 += per) {
+      const int64_t g1 = std::min(end, g0 + per);
+      const uint8_t* src = W + g0 * tile;
+      if (!formed) {
+        for (int64_t g = g0; g < g1; ++g) tiling.form(W + g * 8 * stride, stride, nb, buf.data() + (g - g0) * tile);
+        src = buf.data();
+      }
+      for (int64_t t = 0; t < T; t += 4) {
+        const int n = static_cast<int>(std::min<int64_t>(4, T - t));
+        const Act* group[4];
+        for (int j = 0; j < n; ++j) group[j] = &acts[t + j];
+        for (int64_t g = g0; g < g1; ++g) {
+          float o[32];
+          tiling.kern[n - 1](src + (g - g0) * tile, group, K, o);
+          for (int j = 0; j < n; ++j) std::memcpy(Y + (t + j) * N + g * 8, o + j * 8, 8 * sizeof(float));
+        }
+      }
+    }
+  });
+}
+#endif
+
+// W [N, K] (raw rows, N a multiple of 8) as tiles of eight rows (`tiling_of`): [N / 8, tile bytes].
+torch::Tensor tile_rows(const torch::Tensor& w, int64_t type, int64_t K) {
+  const Format fmt = format_of(type);
+  check_raw(w, fmt, K, "w");
+#if defined(EXPERTCACHE_AVX2)
+  const Tiling tiling = tiling_of(type);
+#else
+  const Tiling tiling;
+#endif
+  TORCH_CHECK(tiling.form, "tile_rows: ", fmt.name, " has no tiles on this build");
+  const int64_t N = w.size(0), stride = w.size(1), nb = K / tiling.block;
+  TORCH_CHECK(N % 8 == 0, "tile_rows: expected a multiple of 8 rows, got ", N);
+  auto out = torch::empty({N / 8, nb * tiling.bytes}, torch::kUInt8);
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  uint8_t* O = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / 8, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) tiling.form(W + g * 8 * stride, stride, nb, O + g * nb * tiling.bytes);
+  });
+  return out;
+}
+
+// Y [T, N] = rows of x [T, K] rounded as gemv's act8 rounds them, times W held as tiles
+// (`tile_rows`, [N / 8, tile bytes]): gemm_act8's bits, and gemv's for each row.
+torch::Tensor gemm_tiles(const torch::Tensor& tiles, int64_t type, const torch::Tensor& x_in) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2, "x: expected a 2-D CPU tensor [rows, K]");
+  const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
+  const int64_t T = x.size(0), K = x.size(1);
+#if defined(EXPERTCACHE_AVX2)
+  const Tiling tiling = tiling_of(type);
+#else
+  const Tiling tiling;
+#endif
+  TORCH_CHECK(tiling.form && K % tiling.block == 0 && tiles.device().is_cpu() && tiles.dim() == 2 &&
+                  tiles.is_contiguous() && tiles.scalar_type() == torch::kUInt8 &&
+                  tiles.size(1) == K / tiling.block * tiling.bytes,
+              "gemm_tiles: expected uint8 tiles [N / 8, ", K / std::max<int64_t>(1, tiling.block) * tiling.bytes,
+              "] of a type with tiles on this build");
+  const int64_t G = tiles.size(0), N = 8 * G;
+  auto y = torch::empty({T, N}, torch::kFloat32);
+  std::vector<Act> acts(T);
+  const float* X = x.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) quantize_act(X + t * K, K, type, acts[t], false);
+  });
+#if defined(EXPERTCACHE_AVX2)
+  tile_products(tiling, tiles.data_ptr<uint8_t>(), 0, true, G, acts, K, y.data_ptr<float>(), N);
+#endif
+  return y;
+}
+
 torch::Tensor gemm_act8(const torch::Tensor& w, int64_t type, const torch::Tensor& x_in) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2, "x: expected a 2-D CPU tensor [rows, K]");
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
@@ -1396,26 +1481,8 @@ torch::Tensor gemm_act8(const torch::Tensor& w, int64_t type, const torch::Tenso
   int64_t done = 0;
   const Tiling tiling = tiling_of(type);
   if (tiling.form && T > 1 && N >= 8) {
-    const int64_t nb = K / tiling.block, tile = nb * tiling.bytes, groups = N / 8;
-    const int64_t per = std::max<int64_t>(1, (16 << 10) / tile);
-    at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
-      std::vector<uint8_t> buf(per * tile);
-      for (int64_t g0 = begin; g0 < end; g0 += per) {
-        const int64_t g1 = std::min(end, g0 + per);
-        for (int64_t g = g0; g < g1; ++g) tiling.form(W + g * 8 * stride, stride, nb, buf.data() + (g - g0) * tile);
-        for (int64_t t = 0; t < T; t += 4) {
-          const int n = static_cast<int>(std::min<int64_t>(4, T - t));
-          const Act* group[4];
-          for (int j = 0; j < n; ++j) group[j] = &acts[t + j];
-          for (int64_t g = g0; g < g1; ++g) {
-            float o[32];
-            tiling.kern[n - 1](buf.data() + (g - g0) * tile, group, K, o);
-            for (int j = 0; j < n; ++j) std::memcpy(Y + (t + j) * N + g * 8, o + j * 8, 8 * sizeof(float));
-          }
-        }
-      }
-    });
-    done = groups * 8;
+    tile_products(tiling, W, stride, false, N / 8, acts, K, Y, N);
+    done = N / 8 * 8;
   }
 #else
   const int64_t done = 0;
@@ -1636,6 +1703,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_act8", &gemm_act8, "Y [T, N] = rows of x [T, K] rounded as gemv's act8 rounds them, times raw ggml "
         "rows W [N, row bytes]; fp32; row t equals gemv(w, qtype, x[t], act8=True)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("tile_rows", &tile_rows, "raw ggml rows [N, row bytes] (N a multiple of 8) as tiles of eight rows",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_tiles", &gemm_tiles, "gemm_act8 with W as tile_rows's tiles: the same bits",
         py::call_guard<py::gil_scoped_release>());
   m.def("round_activations", &round_activations, "x [T, K] rounded per row as ggml rounds activations for weights "
         "of a type (fp32 d * q)", py::call_guard<py::gil_scoped_release>());
