@@ -961,6 +961,16 @@ void rows8_32(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float
 
 #endif
 
+// A type's tiles for many-row products: bytes per block of eight rows, weights per block, how
+// they are formed from the file's rows, and the kernels for 1-4 activation rows (none on the
+// plain build, whose products take the file's rows).
+using Tile4 = void (*)(const uint8_t*, const Act* const*, int64_t, float*);
+struct Tiling {
+  int64_t bytes = 0, block = 0;
+  void (*form)(const uint8_t*, int64_t, int64_t, uint8_t*) = nullptr;
+  Tile4 kern[4] = {nullptr, nullptr, nullptr, nullptr};
+};
+
 #if defined(EXPERTCACHE_AVX2)
 // Q4_K rows interleaved eight at a time, for many-row products. One super-block column of eight
 // rows (1184 bytes): their d and dmin (fp16, 2 x 16 bytes), the eight sub-block scales of each
@@ -1177,15 +1187,6 @@ void tile_q6_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out)
   for (int t = 0; t < R; ++t) _mm256_storeu_ps(out + t * 8, _mm256_sub_ps(acc[t], offs[t]));
 }
 
-// A type's tiles for many-row products: bytes per block of eight rows, weights per block, how
-// they are formed from the file's rows, and the kernels for 1-4 activation rows.
-using Tile4 = void (*)(const uint8_t*, const Act* const*, int64_t, float*);
-struct Tiling {
-  int64_t bytes = 0, block = 0;
-  void (*form)(const uint8_t*, int64_t, int64_t, uint8_t*) = nullptr;
-  Tile4 kern[4] = {nullptr, nullptr, nullptr, nullptr};
-};
-
 Tiling tiling_of(int64_t type) {
   const Tiling t32 = {kTile32, 32, nullptr, {tile_32<1>, tile_32<2>, tile_32<3>, tile_32<4>}};
   Tiling t = t32;
@@ -1199,6 +1200,8 @@ Tiling tiling_of(int64_t type) {
     default: return {};
   }
 }
+#else
+Tiling tiling_of(int64_t) { return {}; }
 #endif
 
 // Up to four activation rows against one weight row, for the types with a multi-row kernel.
@@ -1401,11 +1404,7 @@ void tile_products(const Tiling& tiling, const uint8_t* W, int64_t stride, bool 
 torch::Tensor tile_rows(const torch::Tensor& w, int64_t type, int64_t K) {
   const Format fmt = format_of(type);
   check_raw(w, fmt, K, "w");
-#if defined(EXPERTCACHE_AVX2)
   const Tiling tiling = tiling_of(type);
-#else
-  const Tiling tiling;
-#endif
   TORCH_CHECK(tiling.form, "tile_rows: ", fmt.name, " has no tiles on this build");
   const int64_t N = w.size(0), stride = w.size(1), nb = K / tiling.block;
   TORCH_CHECK(N % 8 == 0, "tile_rows: expected a multiple of 8 rows, got ", N);
@@ -1424,11 +1423,7 @@ torch::Tensor gemm_tiles(const torch::Tensor& tiles, int64_t type, const torch::
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2, "x: expected a 2-D CPU tensor [rows, K]");
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t T = x.size(0), K = x.size(1);
-#if defined(EXPERTCACHE_AVX2)
   const Tiling tiling = tiling_of(type);
-#else
-  const Tiling tiling;
-#endif
   TORCH_CHECK(tiling.form && K % tiling.block == 0 && tiles.device().is_cpu() && tiles.dim() == 2 &&
                   tiles.is_contiguous() && tiles.scalar_type() == torch::kUInt8 &&
                   tiles.size(1) == K / tiling.block * tiling.bytes,
