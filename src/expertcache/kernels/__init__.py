@@ -165,8 +165,9 @@ def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bo
     # decoding the matrix to bf16 for a GEMM (tools/gemm_act8_probe.py). Where the CPU has bf16
     # matrix instructions (AVX512-BF16, AMX) that holds up to 8 rows, and more rows multiply the
     # exact rows by the weights decoded to bf16. Where it has not, a bf16 GEMM is widened to fp32
-    # (`WIDE_ROWS`): a single product of many rows can still be faster that way (Q4_K [1536, 2048]
-    # at 512 rows, 2 threads, AVX2: 143 against 131 GFLOP/s), but a whole prompt is not, with each
+    # (`WIDE_ROWS`): before the integer kernels interleaved eight weight rows, a single product of
+    # many rows could be faster that way (Q4_K [1536, 2048] at 512 rows, 2 threads, AVX2: 143
+    # against 131 GFLOP/s; since then 84 against 199), and a whole prompt never was, with each
     # matrix decoded per call and most expert products a few dozen rows (512 tokens on Qwen3-30B
     # shapes, Q4_K_M: 323-466 tok/s q8 against 242-271 exact; Gemma 4 shapes 172-191 against
     # 118-150; docs/benchmarks.md), so there every product takes the integer kernels.
