@@ -187,3 +187,30 @@ def test_bench_speed_vs_llamacpp_rejects_a_bad_file_before_running(synth_model, 
     text.write_bytes(b"\x08\x00\x00\x00{}")
     code, err = run_cli(capsys, "bench", "speed", "-m", str(synth_model), "--vs-llamacpp", str(text))
     assert_one_line_error(code, err, "w.safetensors", "not a GGUF file")
+
+
+def test_the_side_by_side_runs_wait_until_both_processes_stop_spinning(monkeypatch):
+    from expertcache.bench import speed
+
+    assert speed._cpu_seconds([os.getpid()]) > 0  # this process's CPU time, from /proc
+    slept = []
+    monkeypatch.setattr(speed.time, "sleep", slept.append)
+    # CPU seconds the two processes have used, one reading per window: spinning for two windows
+    # (0.2 s of CPU in each 0.1 s: two cores), then idle
+    readings = iter([1.0, 1.2, 1.4, 1.41])
+    monkeypatch.setattr(speed, "_cpu_seconds", lambda pids: next(readings))
+    speed.wait_idle([1, 2])
+    assert slept == [speed.IDLE_WINDOW_S] * 3
+    # never more than the limit, however long they spin
+    slept.clear()
+    spinning = iter(range(10 ** 6))
+    monkeypatch.setattr(speed, "_cpu_seconds", lambda pids: float(next(spinning)))
+    clock = iter(range(100))
+    monkeypatch.setattr(speed.time, "perf_counter", lambda: float(next(clock)) * speed.IDLE_WINDOW_S)
+    speed.wait_idle([1])
+    assert len(slept) == round(speed.IDLE_LIMIT_S / speed.IDLE_WINDOW_S)
+    # where /proc cannot be read: a fixed pause
+    slept.clear()
+    monkeypatch.setattr(speed, "_cpu_seconds", lambda pids: None)
+    speed.wait_idle([1])
+    assert slept == [speed.SETTLE_S]

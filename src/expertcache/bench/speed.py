@@ -25,6 +25,7 @@ import dataclasses
 import gc
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -36,8 +37,43 @@ from ..errors import ExpertCacheError
 from ..memory import host_zeros
 
 PREFILLS = (256, 512, 2048)
-# Seconds between the two engines' runs in a pair (`side_by_side`).
+# Before each run of a pair (`side_by_side`), both processes' CPU time must grow by less than
+# IDLE_SHARE of one core over IDLE_WINDOW_S: their OpenMP workers have stopped spinning. At most
+# IDLE_LIMIT_S is waited; where /proc cannot be read, SETTLE_S is waited instead.
+IDLE_WINDOW_S = 0.1
+IDLE_SHARE = 0.2
+IDLE_LIMIT_S = 3.0
 SETTLE_S = 0.5
+
+
+def _cpu_seconds(pids: list[int]) -> float | None:
+    """User plus system CPU seconds of `pids` (all their threads), from /proc; None if unreadable."""
+    total = 0.0
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
+
+
+def wait_idle(pids: list[int]) -> float:
+    """Return once `pids` have used less than IDLE_SHARE of a core for IDLE_WINDOW_S (or after
+    IDLE_LIMIT_S); the seconds waited."""
+    start = time.perf_counter()
+    before = _cpu_seconds(pids)
+    if before is None:
+        time.sleep(SETTLE_S)
+        return SETTLE_S
+    while True:
+        time.sleep(IDLE_WINDOW_S)
+        now = _cpu_seconds(pids)
+        waited = time.perf_counter() - start
+        if now is None or now - before < IDLE_SHARE * IDLE_WINDOW_S or waited >= IDLE_LIMIT_S:
+            return waited
+        before = now
 # Profiler names of the matrix products (and fused attention) a step runs.
 MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv_",
               "aten::_scaled_dot_product_flash_attention_for_cpu", "native::gemv", "native::experts",
@@ -307,6 +343,10 @@ class LlamaCppProcess:
             raise ExpertCacheError(value)
         return value
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
     def _call(self, name: str, *args):
         self._conn.send((name, args))
         return self._reply()
@@ -359,13 +399,15 @@ def side_by_side(model, lc: LlamaCppProcess, prompt: list[int], decode: int, pre
     lc.prefill(prompt[:max(prefills)])
     runs = {k: {"ours": [], "llamacpp": []} for k in ["decode"] + [f"prefill_{p}" for p in prefills]}
 
+    pids = [os.getpid(), lc.pid]
+
     def pair(key: str, ours, theirs) -> None:
         # Each side starts once the other's threads have gone idle: an OpenMP runtime's workers
-        # spin on the cores for a while after their last parallel region (without the pause our
+        # spin on the cores for a while after their last parallel region (without waiting, our
         # first run after llama.cpp's warm-up ran at about half speed).
-        time.sleep(SETTLE_S)
+        wait_idle(pids)
         runs[key]["ours"].append(ours())
-        time.sleep(SETTLE_S)
+        wait_idle(pids)
         runs[key]["llamacpp"].append(theirs())
 
     for _ in tqdm(range(pairs), desc="vs llama.cpp", unit="pair", file=sys.stderr):
