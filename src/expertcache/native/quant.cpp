@@ -1364,10 +1364,6 @@ torch::Tensor gemv_decoded(const torch::Tensor& w, int64_t type, const torch::Te
   return product(w, type, x, false, false);
 }
 
-// Y [T, N]: each row of x [T, K] rounded as `gemv(..., act8=true)` rounds it, times W [N, K] of
-// ggml type `type` (raw rows); fp32. Row t of Y equals gemv(w, type, x[t], act8=true) bit for bit:
-// the same kernels, with up to four rows of x taken against one decoded weight block at a time.
-#if defined(EXPERTCACHE_AVX2)
 // Columns [0, 8 * groups) of Y [T, N] (T = acts.size()) from tiles of eight weight rows: formed
 // from raw rows `stride` bytes apart into a per-thread buffer of about 16 KB, or read where they
 // lie (`formed`: W holds [groups, tile bytes]); each chunk of tiles is taken against each group
@@ -1398,7 +1394,6 @@ void tile_products(const Tiling& tiling, const uint8_t* W, int64_t stride, bool 
     }
   });
 }
-#endif
 
 // W [N, K] (raw rows, N a multiple of 8) as tiles of eight rows (`tiling_of`): [N / 8, tile bytes].
 torch::Tensor tile_rows(const torch::Tensor& w, int64_t type, int64_t K) {
@@ -1436,12 +1431,14 @@ torch::Tensor gemm_tiles(const torch::Tensor& tiles, int64_t type, const torch::
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) quantize_act(X + t * K, K, type, acts[t], false);
   });
-#if defined(EXPERTCACHE_AVX2)
   tile_products(tiling, tiles.data_ptr<uint8_t>(), 0, true, G, acts, K, y.data_ptr<float>(), N);
-#endif
   return y;
 }
 
+// Y [T, N]: each row of x [T, K] rounded as `gemv(..., act8=true)` rounds it, times W [N, K] of
+// ggml type `type` (raw rows); fp32. Row t of Y equals gemv(w, type, x[t], act8=true) bit for bit:
+// the same kernels, eight weight rows interleaved into tiles (`tile_products`) or up to four rows
+// of x taken against one decoded weight block at a time.
 torch::Tensor gemm_act8(const torch::Tensor& w, int64_t type, const torch::Tensor& x_in) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2, "x: expected a 2-D CPU tensor [rows, K]");
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
@@ -1469,19 +1466,14 @@ torch::Tensor gemm_act8(const torch::Tensor& w, int64_t type, const torch::Tenso
     });
     return y;
   }
-#if defined(EXPERTCACHE_AVX2)
-  // Eight weight rows at a time as tiles (`tiling_of`), formed into a per-thread buffer of
-  // about 16 KB and taken against each group of four activation rows in turn; rows past the last
-  // whole eight take the path below, with the same results.
+  // Eight weight rows at a time as tiles (`tiling_of`; none on the plain build); rows past the
+  // last whole eight take the path below, with the same results.
   int64_t done = 0;
   const Tiling tiling = tiling_of(type);
   if (tiling.form && T > 1 && N >= 8) {
     tile_products(tiling, W, stride, false, N / 8, acts, K, Y, N);
     done = N / 8 * 8;
   }
-#else
-  const int64_t done = 0;
-#endif
   // A chunk of weight rows against each group of four activation rows in turn: the chunk (about
   // 16 KB) and the group stay in the first-level cache, and the activations stream from the
   // second-level cache once a chunk instead of once a weight row.
