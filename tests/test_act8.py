@@ -233,6 +233,78 @@ def test_q8_activations_give_llama_cpps_logits(name):
     assert float((exact - want).abs().max() / want.abs().max()) > 1e-3  # the rounding is what closes it
 
 
+def _ggml_rms_norm_row(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """ggml_compute_forward_rms_norm_f32 (ggml-cpu/ops.cpp) element by element: fp64 sum of the
+    fp32 squares in order, the mean as float, scale = 1.0f/sqrtf(mean + eps), (x * scale) * w."""
+    s = 0.0
+    for v in x:
+        s += float(np.float32(v * v))
+    mean = np.float32(s / len(x))
+    scale = np.float32(1.0) / np.sqrt(np.float32(mean + np.float32(eps)))
+    return (x * scale).astype(np.float32) * w
+
+
+def test_llama_cpps_numerics_take_ggmls_rms_norm_bit_for_bit():
+    from expertcache.kernels import rms_norm_ggml, select
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 32, generator=g) * torch.rand(512, 1, generator=g) * 4
+    w = torch.rand(32, generator=g) + 0.5
+    want = np.stack([_ggml_rms_norm_row(r, w.numpy(), 1e-6) for r in x.numpy()])
+    assert np.array_equal(rms_norm_ggml(x, w, 1e-6).numpy(), want)
+    torch_rows = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w).numpy()
+    assert not np.array_equal(torch_rows, want)  # torch's float root and sum order differ somewhere
+    k = select("torch", torch.device("cpu"), torch.float32, quantized=True, activations="q8")
+    assert k.ggml_norms and np.array_equal(k.rms_norm(x, w, 1e-6).numpy(), want)
+    assert np.array_equal(k.rms_norm_scaled(x, None, 1e-6, reference=None).numpy(),
+                          np.stack([_ggml_rms_norm_row(r, np.float32(1), 1e-6) for r in x.numpy()]))
+    # bf16 compute, or exact activations: the family's own norms
+    assert not select("torch", torch.device("cpu"), torch.bfloat16, quantized=True, activations="q8").ggml_norms
+    assert not select("torch", torch.device("cpu"), torch.float32, quantized=True, activations="exact").ggml_norms
+
+
+def test_llama_cpps_numerics_take_ggmls_gelu_table():
+    # ggml-cpu/vec.h (GGML_GELU_FP16): 0 at or below -10, x at or above 10, else the fp16 input looked
+    # up in a table of fp16(gelu_tanh(float(input))) computed in fp32.
+    import math
+
+    from expertcache.kernels import gelu_ggml, select
+
+    x = torch.cat((torch.linspace(-12, 12, 4001), torch.randn(4000, generator=torch.Generator().manual_seed(1)) * 3))
+    want = []
+    for v in x.tolist():
+        if v <= -10:
+            want.append(0.0)
+        elif v >= 10:
+            want.append(np.float32(v))
+        else:
+            f = np.float32(np.float16(v))
+            inner = np.float32(np.float32(np.float32(0.7978845608028654) * f)
+                               * np.float32(1 + np.float32(np.float32(np.float32(0.044715) * f) * f)))
+            t = np.float32(math.tanh(float(inner)))
+            want.append(np.float32(np.float16(np.float32(np.float32(0.5) * f) * np.float32(1 + t))))
+    assert np.array_equal(gelu_ggml(x).numpy(), np.array(want, dtype=np.float32))
+    k = select("torch", torch.device("cpu"), torch.float32, quantized=True, activations="q8")
+    assert k.activation("gelu_pytorch_tanh") is gelu_ggml and k.activation("silu") is torch.nn.functional.silu
+
+
+# With llama.cpp's numerics throughout (8-bit activations, ggml's norms and GELU) the perplexity of
+# each fixture is llama.cpp's but for rounding flips left by the order of fp32 sums elsewhere
+# (attention, DeltaNet): 0.00-0.05% here (tools/fixture_perplexity.py). With torch's norms,
+# qwen3_5_moe-Q8_0 was 0.74% off: two of its 8-bit roundings fell the other way.
+@pytest.mark.parametrize("name", ["olmoe-Q8_0", "mixtral-Q8_0", "qwen2_moe-Q4_K_M", "qwen3_5_moe/qwen3_5_moe-Q8_0",
+                                  "gemma4/gemma4-Q8_0"])
+def test_q8_activations_give_llama_cpps_perplexity(name):
+    from expertcache.perplexity import perplexity, perplexity_bos_id
+
+    fixtures, stem = (FIXTURES / name).parent, Path(name).name
+    rec = record(fixtures, stem)
+    model = expertcache.load(fixtures / f"{stem}.gguf", dtype="float32", activations="q8")
+    bos = perplexity_bos_id(model.tokenizer) if rec["perplexity"].get("add_bos") else None
+    got = perplexity(model, rec["heldout"]["tokens"], n_ctx=rec["perplexity"]["n_ctx"], bos_id=bos).ppl
+    assert abs(got / rec["perplexity"]["ppl"] - 1) < 0.005, (got, rec["perplexity"]["ppl"])
+
+
 def test_dense_matrices_stay_blocks_only_where_the_kernels_multiply_blocks():
     path = FIXTURES / "qwen3_moe-mix.gguf"  # q/k/v of one layer in three types, another's in two quantized + F16
     native = expertcache.load(path, dtype="bfloat16", kernels="native")

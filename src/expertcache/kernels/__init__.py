@@ -175,6 +175,8 @@ def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bo
         chosen.act8_rows = ALL_ROWS
     elif quantized and activations == "auto" and isinstance(chosen, NativeKernels):
         chosen.act8_rows = AUTO_ACT8_ROWS if _has_gemm(torch.bfloat16) else ALL_ROWS
+    # llama.cpp's numerics in full: its norms too (their outputs are the next rounding's input).
+    chosen.ggml_norms = chosen.act8_rows == ALL_ROWS and dtype == torch.float32
     if chosen.act8:
         chosen.quant  # noqa: B018 (the rounding is native on either kernel set: built now)
     return chosen
@@ -189,6 +191,22 @@ ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
+_gelu_table: list[torch.Tensor] = []
+
+
+def gelu_ggml(x: torch.Tensor) -> torch.Tensor:
+    """ggml's CPU GELU of an fp32 x (`GGML_GELU_FP16`, ggml-cpu/vec.h): 0 at or below -10, x at or
+    above 10, between them the input rounded to fp16 and looked up in a table of fp16 values of
+    the tanh form computed in fp32. transformers' tanh GELU differs from it by up to an fp16 step."""
+    if not _gelu_table:
+        f = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+        inner = 0.7978845608028654 * f * (1.0 + 0.044715 * f * f)  # fp32, in ggml's order
+        t = torch.tanh(inner.double()).float()  # tanhf, correctly rounded
+        _gelu_table.append((0.5 * f * (1.0 + t)).half().float())
+    y = _gelu_table[0][x.half().view(torch.int16).int() & 0xFFFF]
+    return torch.where(x <= -10.0, 0.0, torch.where(x >= 10.0, x, y))
+
+
 # The activations the native expert calls (`native/decode.cpp`, `native/quant.cpp`) compute.
 NATIVE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -215,6 +233,23 @@ def _has_gemm(dtype: torch.dtype) -> bool:
     return _has[dtype]
 
 
+def rms_norm_ggml(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of an fp32 x as ggml's CPU op computes it: the squares summed in
+    fp64 in order (a cumulative sum is sequential), the mean rounded to fp32, scale =
+    1/sqrt(mean + eps) with a correctly rounded root, then (x * scale) * weight.
+
+    With llama.cpp's 8-bit activations the norms feed the rounding of the next product's input,
+    and an input one ulp away lands on the other side of a half now and then: on a random model
+    with 32-wide rows such a flip moved the logits by 1e-2 from that position on. torch's float
+    sqrt and rsqrt are not correctly rounded (one ulp off, seen on rows of `qwen3_5_moe-Q8_0`),
+    and its sums run in another order, so this is done in fp64 where ggml's result is exact."""
+    sq = x * x
+    mean = (torch.cumsum(sq.double(), -1)[..., -1:] / x.shape[-1]).float()
+    scale = 1.0 / torch.sqrt((mean + eps).double()).float()  # fp32 division, as 1.0f/sqrtf
+    y = x * scale
+    return y if weight is None else y * weight
+
+
 def _linear_in_fp32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """F.linear with the operands widened to fp32 (block by block of w's rows), rounded once."""
     T, N = x.shape[0], w.shape[0]
@@ -239,6 +274,9 @@ class Kernels:
     # Products with quantized weights of at most this many rows round their input to 8 bits
     # first and take the integer kernels (`select`); 0: none.
     act8_rows = 0
+    # RMSNorms in ggml's arithmetic (`rms_norm_ggml`): set with llama.cpp's numerics in fp32
+    # (`--dtype float32 --activations q8`, `select`).
+    ggml_norms = False
 
     _quant: ModuleType | None = None
 
@@ -333,7 +371,14 @@ class Kernels:
             return _linear_in_fp32(x, w, b)
         return F.linear(x, w, b)
 
+    def activation(self, act: str):
+        """The gated MLP's activation function for `act` (`ACTIVATIONS`), ggml's GELU with
+        llama.cpp's numerics (`ggml_norms`)."""
+        return gelu_ggml if self.ggml_norms and act == "gelu_pytorch_tanh" else ACTIVATIONS[act]
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.ggml_norms:
+            return rms_norm_ggml(x, weight, eps)
         # Normalise in fp32 and scale in the compute dtype, as the reference implementations do.
         dtype = x.dtype
         xf = x.float()
@@ -343,6 +388,8 @@ class Kernels:
     def rms_norm_scaled(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, reference) -> torch.Tensor:
         """An RMSNorm over the last dim normalised and scaled in fp32 and rounded once (Gemma 4's,
         Qwen3.5's), `weight` optional: `reference(x, weight, eps)`, the family's torch formula."""
+        if self.ggml_norms:
+            return rms_norm_ggml(x, weight, eps)
         return reference(x, weight, eps)
 
     def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str = "silu") -> torch.Tensor:
@@ -352,7 +399,7 @@ class Kernels:
         gu = self.linear(x, gate_up)                     # [T, 2I]
         # Two slices rather than chunk(): the same views, at a fraction of chunk's dispatch cost,
         # which counts 16 times a decode step at top-8.
-        gate = F.silu(gu[:, :I]) if act == "silu" else ACTIVATIONS[act](gu[:, :I])
+        gate = F.silu(gu[:, :I]) if act == "silu" else self.activation(act)(gu[:, :I])
         return self.linear(gate * gu[:, I:], down)  # [T, D]
 
     def expert(self, x: torch.Tensor, w, act: str = "silu") -> torch.Tensor:
@@ -381,9 +428,9 @@ class Kernels:
         if isinstance(w.gate_up, QuantTensor):  # one call: the rows rounded once, each output the same
             I = w.gate.shape[0]
             gu = product(x, w.gate_up)                                # [T, 2I] fp32
-            h = ACTIVATIONS[act](gu[:, :I]) * gu[:, I:]               # [T, I] fp32
+            h = self.activation(act)(gu[:, :I]) * gu[:, I:]           # [T, I] fp32
         else:
-            h = ACTIVATIONS[act](product(x, w.gate)) * product(x, w.up)  # [T, I] fp32
+            h = self.activation(act)(product(x, w.gate)) * product(x, w.up)  # [T, I] fp32
         return product(h, w.down).to(x.dtype)                        # [T, D]
 
     def dense(self, w, dtype: torch.dtype) -> torch.Tensor:
