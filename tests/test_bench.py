@@ -214,3 +214,19 @@ def test_the_side_by_side_runs_wait_until_both_processes_stop_spinning(monkeypat
     monkeypatch.setattr(speed, "_cpu_seconds", lambda pids: None)
     speed.wait_idle([1])
     assert slept == [speed.SETTLE_S]
+
+
+def test_the_decode_profile_counts_the_products_over_quantized_blocks():
+    # On a GGUF file the experts and dense matrices are multiplied by the quantized kernels: the
+    # split of a step into products and the rest must count them (it once left them all "outside").
+    from pathlib import Path
+
+    from expertcache.bench.speed import overhead_profile
+
+    model = expertcache.load(Path(__file__).parent / "fixtures" / "gguf" / "olmoe-Q8_0.gguf", kernels="native")
+    out = overhead_profile(model, list(range(1, 9)), n=2)
+    by_op = out["matmul_ms_by_op"]
+    assert "quant::experts" in by_op and by_op["quant::experts"] > 0
+    assert any(k in by_op for k in ("quant::gemv", "quant::gemm_tiles"))  # the dense matrices
+    assert out["matmul_ms"] == pytest.approx(sum(by_op.values()))
+    assert out["outside_matmul_ms"] == pytest.approx(out["step_ms"] - out["matmul_ms"])

@@ -77,7 +77,9 @@ def wait_idle(pids: list[int]) -> float:
 # Profiler names of the matrix products (and fused attention) a step runs.
 MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv_",
               "aten::_scaled_dot_product_flash_attention_for_cpu", "native::gemv", "native::experts",
-              "native::attend")
+              "native::attend", "native::deltanet_step",
+              # the products over quantized blocks (GGUF files)
+              "quant::gemv", "quant::experts", "quant::gemm_tiles", "quant::gemm_act8")
 
 
 def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
@@ -206,16 +208,18 @@ def _prefill(model, prompt: list[int], ubatch: int) -> dict:
 
 
 class _Profiled:
-    """The native kernels with each call named in the profiler (`native::gemv`, ...)."""
+    """A native module with each call named in the profiler (`native::gemv`, `quant::experts`, ...)."""
 
-    def __init__(self, native):
-        self.native = native
+    def __init__(self, native, prefix: str = "native"):
+        self.native, self.prefix = native, prefix
 
     def __getattr__(self, name):
         fn = getattr(self.native, name)
+        if not callable(fn):
+            return fn
 
         def call(*args):
-            with torch.profiler.record_function(f"native::{name}"):
+            with torch.profiler.record_function(f"{self.prefix}::{name}"):
                 return fn(*args)
         return call
 
@@ -239,9 +243,11 @@ def overhead_profile(model, prompt: list[int], n: int = 16) -> dict:
 
     residency.plan = timed_plan
     kernels = model.kernels
-    native = kernels.native
+    native, quant = kernels.native, kernels._quant
     if native is not None:
         kernels.native = _Profiled(native)
+    if quant is not None:
+        kernels._quant = _Profiled(quant, "quant")
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t = time.perf_counter()
@@ -252,10 +258,12 @@ def overhead_profile(model, prompt: list[int], n: int = 16) -> dict:
         del residency.plan
         if native is not None:
             kernels.native = native
-    mm = sum(e.self_cpu_time_total for e in prof.key_averages()
-             if e.key in MATRIX_OPS) / 1e6
+        kernels._quant = quant
+    ops = {e.key: e.self_cpu_time_total / 1e3 / n for e in prof.key_averages() if e.key in MATRIX_OPS}
+    mm = sum(ops.values()) / 1e3 * n
     step = wall / n
     return {"step_ms": 1e3 * step, "matmul_ms": 1e3 * mm / n, "outside_matmul_ms": 1e3 * (step - mm / n),
+            "matmul_ms_by_op": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
             "outside_matmul_fraction": 1 - (mm / n) / step,
             "bookkeeping_us_per_op": 1e6 * spent[0] / max(spent[1], 1),
             "bookkeeping_fraction_of_step": spent[0] / wall,
