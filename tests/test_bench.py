@@ -230,3 +230,9 @@ def test_the_decode_profile_counts_the_products_over_quantized_blocks():
     assert any(k in by_op for k in ("quant::gemv", "quant::gemm_tiles"))  # the dense matrices
     assert out["matmul_ms"] == pytest.approx(sum(by_op.values()))
     assert out["outside_matmul_ms"] == pytest.approx(out["step_ms"] - out["matmul_ms"])
+    # the rest by op: none of the products among them, the costliest first, each a real op of the step
+    rest = out["outside_ms_by_op"]
+    assert rest and not set(rest) & set(by_op)
+    assert list(rest.values()) == sorted(rest.values(), key=lambda v: -v["ms"])
+    assert "native::rms_norm" in rest or any(k.startswith("aten::") for k in rest)
+    assert all(v["calls"] > 0 for v in rest.values()) and out["outside_ops_per_step"] >= len(rest)

@@ -81,6 +81,9 @@ MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv_"
               # the products over quantized blocks (GGUF files)
               "quant::gemv", "quant::experts", "quant::gemm_tiles", "quant::gemm_act8")
 
+# Ops outside the products listed by `overhead_profile` (the costliest).
+OUTSIDE_OPS_SHOWN = 8
+
 
 def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
     """Bytes/s of a streaming read (a sum) over a buffer far larger than the last-level cache, on
@@ -259,11 +262,17 @@ def overhead_profile(model, prompt: list[int], n: int = 16) -> dict:
         if native is not None:
             kernels.native = native
         kernels._quant = quant
-    ops = {e.key: e.self_cpu_time_total / 1e3 / n for e in prof.key_averages() if e.key in MATRIX_OPS}
+    events = prof.key_averages()
+    ops = {e.key: e.self_cpu_time_total / 1e3 / n for e in events if e.key in MATRIX_OPS}
+    # The rest by op, the costliest first: which of the step's small ops add up.
+    rest = sorted((e for e in events if e.key not in MATRIX_OPS), key=lambda e: -e.self_cpu_time_total)
     mm = sum(ops.values()) / 1e3 * n
     step = wall / n
     return {"step_ms": 1e3 * step, "matmul_ms": 1e3 * mm / n, "outside_matmul_ms": 1e3 * (step - mm / n),
             "matmul_ms_by_op": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
+            "outside_ops_per_step": sum(e.count for e in rest) / n,
+            "outside_ms_by_op": {e.key: {"ms": e.self_cpu_time_total / 1e3 / n, "calls": e.count / n}
+                                 for e in rest[:OUTSIDE_OPS_SHOWN]},
             "outside_matmul_fraction": 1 - (mm / n) / step,
             "bookkeeping_us_per_op": 1e6 * spent[0] / max(spent[1], 1),
             "bookkeeping_fraction_of_step": spent[0] / wall,
@@ -534,7 +543,10 @@ def table(out: dict) -> str:
         lines += ["", f"resident decode step {o['step_ms']:.1f} ms (profiled): matrix products {o['matmul_ms']:.1f} ms, "
                   f"outside them {o['outside_matmul_ms']:.1f} ms ({o['outside_matmul_fraction']:.0%}); cache "
                   f"bookkeeping {o['bookkeeping_us_per_op']:.0f} us per MoE op "
-                  f"({o['bookkeeping_fraction_of_step']:.1%} of the step)"]
+                  f"({o['bookkeeping_fraction_of_step']:.1%} of the step)",
+                  f"outside the products: {o['outside_ops_per_step']:.0f} ops per step; the costliest (ms per step, "
+                  "calls): " + ", ".join(f"{k} {v['ms']:.2f} ({v['calls']:.0f})"
+                                         for k, v in o["outside_ms_by_op"].items())]
     if "llamacpp" in out:
         lc = out["llamacpp"]
         head = f"{'t/s, pair by pair':<14} {'ours (resident)':>26} {'llama.cpp':>26} {'ratio':>7}"
