@@ -244,7 +244,7 @@ def _ggml_rms_norm_row(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x * scale).astype(np.float32) * w
 
 
-def test_llama_cpps_numerics_take_ggmls_rms_norm_bit_for_bit():
+def test_llama_cpps_numerics_take_ggmls_rms_norm_bit_for_bit(monkeypatch):
     from expertcache.kernels import rms_norm_ggml, select
 
     g = torch.Generator().manual_seed(0)
@@ -252,6 +252,8 @@ def test_llama_cpps_numerics_take_ggmls_rms_norm_bit_for_bit():
     w = torch.rand(32, generator=g) + 0.5
     want = np.stack([_ggml_rms_norm_row(r, w.numpy(), 1e-6) for r in x.numpy()])
     assert np.array_equal(rms_norm_ggml(x, w, 1e-6).numpy(), want)
+    monkeypatch.setattr(kernels, "GGML_NORM_BLOCK", 32 * 7)  # the fp64 sums taken seven rows at a time
+    assert np.array_equal(rms_norm_ggml(x.view(8, 64, 32), w, 1e-6).view(512, 32).numpy(), want)
     torch_rows = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w).numpy()
     assert not np.array_equal(torch_rows, want)  # torch's float root and sum order differ somewhere
     k = select("torch", torch.device("cpu"), torch.float32, quantized=True, activations="q8")

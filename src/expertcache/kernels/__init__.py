@@ -233,6 +233,10 @@ def _has_gemm(dtype: torch.dtype) -> bool:
     return _has[dtype]
 
 
+# Elements per fp64 temporary of `rms_norm_ggml` (8 MB).
+GGML_NORM_BLOCK = 1 << 20
+
+
 def rms_norm_ggml(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of an fp32 x as ggml's CPU op computes it: the squares summed in
     fp64 in order (a cumulative sum is sequential), the mean rounded to fp32, scale =
@@ -243,8 +247,10 @@ def rms_norm_ggml(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     with 32-wide rows such a flip moved the logits by 1e-2 from that position on. torch's float
     sqrt and rsqrt are not correctly rounded (one ulp off, seen on rows of `qwen3_5_moe-Q8_0`),
     and its sums run in another order, so this is done in fp64 where ggml's result is exact."""
-    sq = x * x
-    mean = (torch.cumsum(sq.double(), -1)[..., -1:] / x.shape[-1]).float()
+    rows = x.reshape(-1, x.shape[-1])
+    step = max(1, GGML_NORM_BLOCK // rows.shape[1])  # rows per fp64 temporary (a long prompt's would be large)
+    sums = torch.cat([torch.cumsum((r * r).double(), -1)[:, -1:] for r in rows.split(step)])  # [R, 1] fp64
+    mean = (sums / x.shape[-1]).float().view(*x.shape[:-1], 1)
     scale = 1.0 / torch.sqrt((mean + eps).double()).float()  # fp32 division, as 1.0f/sqrtf
     y = x * scale
     return y if weight is None else y * weight
