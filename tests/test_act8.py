@@ -192,6 +192,34 @@ def test_an_act8_wave_is_its_one_row_products(native, types, act):
                        with_threads(2, lambda: native.experts(x, G, U, Dn, *qtypes, act, act8=True)))
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_products_in_the_inputs_dtype_are_the_fp32_ones_rounded(native, name):
+    # `in_dtype`: a decode step's row [1, K] in bf16 gives [1, N] in bf16, rounded as .to rounds the
+    # fp32 result, so the Python side needs no conversion or reshaping calls.
+    qtype = Q[name]
+    cols = cols_for(qtype, 2)
+    raw, _ = weights(qtype, 40, cols, seed=3)
+    x = vector(cols, seed=4).bfloat16()
+    want = native.gemv(raw, qtype, x, act8=True).to(torch.bfloat16)
+    got = native.gemv(raw, qtype, x[None], act8=True, in_dtype=True)
+    assert got.shape == (1, 40) and got.dtype == torch.bfloat16 and torch.equal(got[0], want)
+    strided = torch.stack((x, x), dim=1)[:, 0][None]  # [1, K], not contiguous
+    assert torch.equal(native.gemv(raw, qtype, strided, act8=True, in_dtype=True)[0], want)
+    assert torch.equal(native.gemv(raw, qtype, x.float(), act8=True, in_dtype=True), native.gemv(raw, qtype, x.float(),
+                                                                                              act8=True))
+    if native.isa == "avx2" and qtype in (Q.Q4_K, Q.Q8_0):
+        tiles = native.tile_rows(raw, qtype, cols)
+        xs = torch.stack([vector(cols, seed=9 + t) for t in range(3)]).bfloat16()
+        assert torch.equal(native.gemm_tiles(tiles, qtype, xs, in_dtype=True),
+                           native.gemm_tiles(tiles, qtype, xs).to(torch.bfloat16))
+    I = 256
+    G = [weights(qtype, I, cols, seed=60 + e)[0] for e in range(2)]
+    Dn = [weights(qtype, cols, I, seed=70 + e)[0] for e in range(2)]
+    wave = native.experts(x, G, G, Dn, qtype, qtype, qtype, "silu", act8=True)
+    got = native.experts(x[None], G, G, Dn, qtype, qtype, qtype, "silu", act8=True, in_dtype=True)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, wave.to(torch.bfloat16))
+
+
 def test_a_row_that_is_not_whole_blocks_is_an_error(native):
     raw, _ = weights(Q.Q4_K, 4, 512, seed=0)
     with pytest.raises(RuntimeError, match="not a whole number of Q8_K blocks of 256"):

@@ -338,11 +338,11 @@ class Kernels:
             return torch.cat(outs, dim=-1)
         T, (N, K) = x.shape[0], w.shape
         if w.tiled:  # only where every product takes the integer kernels (`tiles`)
-            y = self.quant.gemm_tiles(w.raw, int(w.qtype), x).to(x.dtype)  # [T, N]
+            y = self.quant.gemm_tiles(w.raw, int(w.qtype), x, True)  # [T, N] in x's dtype
             return y if b is None else y + b
         if T == 1:
-            y = self.quant.gemv(w.raw, int(w.qtype), x[0].contiguous(), self.act8).to(x.dtype)  # [N]
-            return (y if b is None else y + b)[None]
+            y = self.quant.gemv(w.raw, int(w.qtype), x, self.act8, True)  # [1, N] in x's dtype
+            return y if b is None else y + b
         if T <= self.act8_rows:  # the one-row kernels, several rows against each decoded block
             y = self.quant.gemm_act8(w.raw, int(w.qtype), x).to(x.dtype)  # [T, N]
             return y if b is None else y + b
@@ -511,10 +511,9 @@ class NativeKernels(Kernels):
         if first is not None and not isinstance(first.down, torch.Tensor):
             # Quantized experts: products straight from the blocks, the wave in one call. All
             # experts of a layer share one format, so the wave's types are the first's.
-            y = self.quant.experts(x[0].contiguous(), [w.gate.raw for _, w in wave], [w.up.raw for _, w in wave],
-                                   [w.down.raw for _, w in wave], int(first.gate.qtype), int(first.up.qtype),
-                                   int(first.down.qtype), act, self.act8)  # [n, D] float32
-            return y.to(x.dtype)
+            return self.quant.experts(x, [w.gate.raw for _, w in wave], [w.up.raw for _, w in wave],
+                                      [w.down.raw for _, w in wave], int(first.gate.qtype), int(first.up.qtype),
+                                      int(first.down.qtype), act, self.act8, True)  # [n, D] in x's dtype
         if not all(isinstance(w.gate_up, torch.Tensor) for _, w in wave):
             return None
         # Each expert's row is what it would be alone. Slot views are contiguous [2I, D] and

@@ -1275,6 +1275,20 @@ void check_raw(const torch::Tensor& w, const Format& fmt, int64_t K, const char*
               fmt.name, " row of ", K, " weights, got ", w.size(1));
 }
 
+// A one-token input as a vector: x [K], or x [1, K] (a decode step's row) flattened.
+torch::Tensor one_row(const torch::Tensor& x) {
+  return x.dim() == 2 && x.size(0) == 1 ? x.reshape({-1}).contiguous() : x;
+}
+
+// A product's fp32 output as its caller takes it: with `in_dtype`, rounded to x's dtype as `.to`
+// rounds (the same conversion), and [1, N] for x [1, K]; else as computed. Done here, these are
+// a few dispatches fewer per product from Python, where a decode step runs hundreds of them.
+torch::Tensor finish(torch::Tensor y, const torch::Tensor& x, bool in_dtype) {
+  if (!in_dtype) return y;
+  if (x.scalar_type() != torch::kFloat32) y = y.to(x.scalar_type());
+  return x.dim() == 2 && y.dim() == 1 ? y.unsqueeze(0) : y;
+}
+
 // x as fp32 (a copy only when it is bf16).
 torch::Tensor as_f32(const torch::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous() &&
@@ -1333,7 +1347,7 @@ void dot_rows_act(const Format& fmt, ActDot ad, ActDot8 ad8, const uint8_t* row,
 // fused=false takes the plain decoders (the reference the register-level ones are tested against);
 // act8 rounds x first, as ggml's CPU products do.
 torch::Tensor product(const torch::Tensor& w, int64_t type, const torch::Tensor& x_in, bool fused, bool act8) {
-  const torch::Tensor x = as_f32(x_in);
+  const torch::Tensor x = as_f32(one_row(x_in));
   const Format fmt = format_of(type);
   const int64_t K = x.size(0);
   check_raw(w, fmt, K, "w");
@@ -1356,8 +1370,8 @@ torch::Tensor product(const torch::Tensor& w, int64_t type, const torch::Tensor&
   return y;
 }
 
-torch::Tensor gemv(const torch::Tensor& w, int64_t type, const torch::Tensor& x, bool act8) {
-  return product(w, type, x, true, act8);
+torch::Tensor gemv(const torch::Tensor& w, int64_t type, const torch::Tensor& x, bool act8, bool in_dtype) {
+  return finish(product(w, type, x, true, act8), x, in_dtype);
 }
 
 torch::Tensor gemv_decoded(const torch::Tensor& w, int64_t type, const torch::Tensor& x) {
@@ -1414,7 +1428,7 @@ torch::Tensor tile_rows(const torch::Tensor& w, int64_t type, int64_t K) {
 
 // Y [T, N] = rows of x [T, K] rounded as gemv's act8 rounds them, times W held as tiles
 // (`tile_rows`, [N / 8, tile bytes]): gemm_act8's bits, and gemv's for each row.
-torch::Tensor gemm_tiles(const torch::Tensor& tiles, int64_t type, const torch::Tensor& x_in) {
+torch::Tensor gemm_tiles(const torch::Tensor& tiles, int64_t type, const torch::Tensor& x_in, bool in_dtype) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2, "x: expected a 2-D CPU tensor [rows, K]");
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const int64_t T = x.size(0), K = x.size(1);
@@ -1432,7 +1446,7 @@ torch::Tensor gemm_tiles(const torch::Tensor& tiles, int64_t type, const torch::
     for (int64_t t = begin; t < end; ++t) quantize_act(X + t * K, K, type, acts[t], false);
   });
   tile_products(tiling, tiles.data_ptr<uint8_t>(), 0, true, G, acts, K, y.data_ptr<float>(), N);
-  return y;
+  return finish(y, x_in, in_dtype);
 }
 
 // Y [T, N]: each row of x [T, K] rounded as `gemv(..., act8=true)` rounds it, times W [N, K] of
@@ -1600,16 +1614,16 @@ bool is_gelu(const std::string& act) {
 torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor>& gates,
                       const std::vector<torch::Tensor>& ups, const std::vector<torch::Tensor>& downs,
                       int64_t gate_type, int64_t up_type, int64_t down_type, const std::string& act,
-                      bool act8) {
+                      bool act8, bool in_dtype) {
   const bool gelu = is_gelu(act);
-  const torch::Tensor x = as_f32(x_in);
+  const torch::Tensor x = as_f32(one_row(x_in));
   TORCH_CHECK(gates.size() == ups.size() && ups.size() == downs.size(),
               "experts: expected as many gate, up and down matrices, got ", gates.size(), ", ", ups.size(), ", ",
               downs.size());
   const Format fg = format_of(gate_type), fu = format_of(up_type), fd = format_of(down_type);
   const int64_t n = static_cast<int64_t>(gates.size()), D = x.size(0);
   auto y = torch::empty({n, D}, torch::kFloat32);
-  if (n == 0) return y;
+  if (n == 0) return finish(y, x_in, in_dtype);
   const int64_t I = gates[0].size(0);
   std::vector<const uint8_t*> G(n), U(n), Dn(n);
   for (int64_t e = 0; e < n; ++e) {
@@ -1672,7 +1686,7 @@ torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor
       r += run;
     }
   });
-  return y;
+  return finish(y, x_in, in_dtype);
 }
 
 }  // namespace
@@ -1685,15 +1699,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("isa") = "portable";
 #endif
-  m.def("gemv", &gemv, "y [N] = W x, W raw ggml rows [N, row bytes] of a type, x [K] fp32/bf16; fp32; act8 "
-        "rounds x as ggml's CPU products do", py::arg("w"), py::arg("qtype"), py::arg("x"), py::arg("act8") = false,
+  m.def("gemv", &gemv, "y [N] = W x, W raw ggml rows [N, row bytes] of a type, x [K] (or [1, K]) fp32/bf16; "
+        "fp32; act8 rounds x as ggml's CPU products do; in_dtype: y in x's dtype, [1, N] for x [1, K]",
+        py::arg("w"), py::arg("qtype"), py::arg("x"), py::arg("act8") = false, py::arg("in_dtype") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_act8", &gemm_act8, "Y [T, N] = rows of x [T, K] rounded as gemv's act8 rounds them, times raw ggml "
         "rows W [N, row bytes]; fp32; row t equals gemv(w, qtype, x[t], act8=True)",
         py::call_guard<py::gil_scoped_release>());
   m.def("tile_rows", &tile_rows, "raw ggml rows [N, row bytes] (N a multiple of 8) as tiles of eight rows",
         py::call_guard<py::gil_scoped_release>());
-  m.def("gemm_tiles", &gemm_tiles, "gemm_act8 with W as tile_rows's tiles: the same bits",
+  m.def("gemm_tiles", &gemm_tiles, "gemm_act8 with W as tile_rows's tiles: the same bits; in_dtype: Y in x's dtype",
+        py::arg("tiles"), py::arg("qtype"), py::arg("x"), py::arg("in_dtype") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("round_activations", &round_activations, "x [T, K] rounded per row as ggml rounds activations for weights "
         "of a type (fp32 d * q)", py::call_guard<py::gil_scoped_release>());
@@ -1704,7 +1720,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "raw ggml rows [N, row bytes] of a type -> fp32 [N, K]",
         py::call_guard<py::gil_scoped_release>());
   m.def("experts", &experts, "a wave of gated experts (silu or gelu_pytorch_tanh) on one token from raw ggml rows: "
-        "fp32 [n, D]", py::arg("x"), py::arg("gates"), py::arg("ups"), py::arg("downs"), py::arg("gate_type"),
-        py::arg("up_type"), py::arg("down_type"), py::arg("act") = "silu", py::arg("act8") = false,
-        py::call_guard<py::gil_scoped_release>());
+        "fp32 [n, D] (in_dtype: in x's dtype); x [D] or [1, D]", py::arg("x"), py::arg("gates"), py::arg("ups"),
+        py::arg("downs"), py::arg("gate_type"), py::arg("up_type"), py::arg("down_type"), py::arg("act") = "silu",
+        py::arg("act8") = false, py::arg("in_dtype") = false, py::call_guard<py::gil_scoped_release>());
 }
