@@ -246,7 +246,8 @@ def rms_norm_ggml(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     and an input one ulp away lands on the other side of a half now and then: on a random model
     with 32-wide rows such a flip moved the logits by 1e-2 from that position on. torch's float
     sqrt and rsqrt are not correctly rounded (one ulp off, seen on rows of `qwen3_5_moe-Q8_0`),
-    and its sums run in another order, so this is done in fp64 where ggml's result is exact."""
+    and its sums run in another order: so the sum and the root are taken in fp64 and rounded where
+    ggml rounds them."""
     rows = x.reshape(-1, x.shape[-1])
     step = max(1, GGML_NORM_BLOCK // rows.shape[1])  # rows per fp64 temporary (a long prompt's would be large)
     sums = torch.cat([torch.cumsum((r * r).double(), -1)[:, -1:] for r in rows.split(step)])  # [R, 1] fp64
@@ -280,8 +281,8 @@ class Kernels:
     # Products with quantized weights of at most this many rows round their input to 8 bits
     # first and take the integer kernels (`select`); 0: none.
     act8_rows = 0
-    # RMSNorms in ggml's arithmetic (`rms_norm_ggml`): set with llama.cpp's numerics in fp32
-    # (`--dtype float32 --activations q8`, `select`).
+    # RMSNorms and GELU in ggml's arithmetic (`rms_norm_ggml`, `gelu_ggml`): set with llama.cpp's
+    # numerics in fp32 (`--dtype float32 --activations q8`, `select`).
     ggml_norms = False
 
     _quant: ModuleType | None = None
