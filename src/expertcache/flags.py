@@ -71,7 +71,7 @@ def add_kernels_flag(p) -> None:
     p.add_argument("--activations", choices=ACTIVATIONS_CHOICES, default="auto",
                    help="products with quantized weights: q8 rounds their input to 8 bits per block first, as "
                         "llama.cpp's CPU products do (results move by ~1e-3; with --dtype float32, llama.cpp's "
-                        "numerics); exact multiplies it as it is; auto (default): q8 where the native kernels run a "
+                        "numerics, its norms and GELU included); exact multiplies it as it is; auto (default): q8 where the native kernels run a "
                         "quantized model, for products of up to 8 rows (decode; integer kernels, 2-4x faster) on a "
                         "CPU with bf16 matrix instructions (AVX512-BF16, AMX), every product on one without, where "
                         "a bf16 GEMM is widened to fp32; exact elsewhere")
