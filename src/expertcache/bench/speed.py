@@ -74,6 +74,8 @@ def wait_idle(pids: list[int]) -> float:
         if now is None or now - before < IDLE_SHARE * IDLE_WINDOW_S or waited >= IDLE_LIMIT_S:
             return waited
         before = now
+
+
 # Profiler names of the matrix products (and fused attention) a step runs.
 MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv_",
               "aten::_scaled_dot_product_flash_attention_for_cpu", "native::gemv", "native::experts",
