@@ -85,6 +85,65 @@ def test_experts_match_exact_swiglu_and_do_not_depend_on_the_wave(native):
     assert native.experts(x, [], []).shape == (0, D)
 
 
+def test_experts_write_unrounded_rank_rows(native):
+    D, I, n = 64, 32, 4
+    x = bf16(D, seed=1)
+    gate_ups = [bf16(2 * I, D, seed=30 + e, scale=0.1) for e in range(n)]
+    downs = [bf16(D, I, seed=40 + e, scale=0.1) for e in range(n)]
+    rounded = native.experts(x, gate_ups, downs)
+    out = torch.full((n, D), float("nan"))
+    ranks = [2, 3, 0, 1]
+    for part in ([1, 3], [0, 2]):  # two waves
+        native.experts(x, [gate_ups[e] for e in part], [downs[e] for e in part], "silu", out, [ranks[e] for e in part])
+    for e in range(n):
+        # the same sums, left in fp32: rounding them gives the bf16 outputs
+        assert torch.equal(out[ranks[e]].to(torch.bfloat16), rounded[e])
+
+
+def test_combine_adds_rounded_products_in_rank_order(native):
+    A, D = 8, 200
+    rows = torch.randn(A, D, generator=torch.Generator().manual_seed(3))
+    for weights in (torch.rand(1, A, generator=torch.Generator().manual_seed(4)),
+                    bf16(1, A, seed=5).abs()):
+        expected = torch.zeros(D)
+        for a in range(A):  # each product rounded to fp32, then added: llama.cpp's multiply and chain of adds
+            expected = expected + weights[0, a].float() * rows[a]
+        for like in (torch.float32, torch.bfloat16):
+            y = native.combine(weights, rows, torch.empty(1, dtype=like))
+            assert y.shape == (1, D) and y.dtype == like
+            assert torch.equal(y[0], expected.to(like))
+    with pytest.raises(RuntimeError, match="weights: expected 8"):
+        native.combine(torch.ones(1, 7), rows, rows)
+
+
+@pytest.mark.parametrize("normalize,fp32", [(True, False), (False, False), (True, True)])
+def test_route_matches_torchs_routing(native, normalize, fp32):
+    D, E, k = 128, 64, 6
+    checked = 0
+    for seed in range(20):
+        x, router = bf16(1, D, seed=seed), bf16(E, D, seed=100 + seed, scale=0.2)
+        w, ids = native.route(x[0], router, k, normalize, fp32)
+        # the logits are the native product's, as `NativeKernels.linear` gives them
+        logits = native.gemv(router, x[0])[None]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        ref_w, ref_ids = torch.topk(probs, k, dim=-1)
+        if normalize:
+            ref_w = ref_w / ref_w.sum(dim=-1, keepdim=True)
+        assert ids.dtype == torch.int64 and ids.shape == (1, k)
+        assert w.dtype == (torch.float32 if fp32 else torch.bfloat16) and w.shape == (1, k)
+        top = torch.topk(probs[0], k + 1).values
+        if (top[:-1] - top[1:]).min() > 1e-6:  # no (near-)tie, whose order is the tie rule's or rounding's
+            assert torch.equal(ids, ref_ids)
+            checked += 1
+        assert torch.allclose(w.float(), ref_w.to(w.dtype).float(), rtol=2 ** -7 if not fp32 else 1e-6, atol=0)
+    assert checked >= 10
+    # exact ties go to the lower id
+    w, ids = native.route(torch.zeros(D, dtype=torch.bfloat16), bf16(E, D, seed=0), 3, True)
+    assert ids.tolist() == [[0, 1, 2]] and torch.equal(w.float(), torch.full((1, 3), 1 / 3).to(w.dtype).float())
+    with pytest.raises(RuntimeError, match="top_k: expected 1 to 64, got 65"):
+        native.route(x[0], router, 65, True)
+
+
 @pytest.mark.parametrize("rows,cols,per_row", [(1, 64, False), (1, 100, False), (6, 16, True)])
 def test_rms_norm_matches_torch(native, rows, cols, per_row):
     rms_norm = kernels.TorchKernels().rms_norm
@@ -203,7 +262,7 @@ def test_decode_of_a_packed_checkpoint_is_the_same(checkpoint, native_reference,
 
 def test_native_decode_is_close_to_torch_and_takes_the_native_path(checkpoint, native_reference, monkeypatch):
     model = expertcache.load(checkpoint, kernels="native")
-    calls = {"gemv": 0, "experts": 0, "attend": 0, "rms_norm": 0}
+    calls = {"gemv": 0, "route": 0, "experts": 0, "combine": 0, "attend": 0, "rms_norm": 0}
 
     class Counting:
         def __getattr__(self, name):
@@ -219,9 +278,9 @@ def test_native_decode_is_close_to_torch_and_takes_the_native_path(checkpoint, n
     for name in calls:
         calls[name] = 0
     model.prefill(session, [5])
-    # One decode step, per layer: the q/k/v, o and router products, attention, the experts and
-    # two norms; then the final norm and the lm head.
-    assert calls == {"gemv": 3 * 3 + 1, "experts": 3, "attend": 3, "rms_norm": 3 * 2 + 1}
+    # One decode step, per layer: the q/k/v and o products, the routing, attention, the experts,
+    # their combination and two norms; then the final norm and the lm head.
+    assert calls == {"gemv": 3 * 2 + 1, "route": 3, "experts": 3, "combine": 3, "attend": 3, "rms_norm": 3 * 2 + 1}
     torch_model = expertcache.load(checkpoint, kernels="torch")
     assert torch_model.kernels.native is None
     torch_logits = decode_logits(torch_model)

@@ -191,6 +191,30 @@ def test_an_expert_is_the_same_in_any_wave_and_any_thread_count(native):
     assert native.experts(x, [], [], [], *qtypes).shape == (0, D)
 
 
+def test_experts_write_their_rank_rows_unrounded_whatever_the_waves(native):
+    types = WAVE_TYPES[0]
+    qtypes = [Q[t] for t in types]
+    g, u, d = wave(5, types, seed=7)
+    x = vector(D, seed=3).to(torch.bfloat16)
+    G, U, Dn = [r for r, _ in g], [r for r, _ in u], [r for r, _ in d]
+    fp32 = native.experts(x, G, U, Dn, *qtypes, act8=True)                 # [5, D], as computed
+    ranks = [3, 0, 4, 1, 2]                                                 # expert e's router rank
+    out = torch.full((5, D), float("nan"))
+    # Two waves, the second first: each expert lands in its rank's row, the same bits as alone.
+    for part in ([3, 4], [0, 1, 2]):
+        got = native.experts(x, [G[e] for e in part], [U[e] for e in part], [Dn[e] for e in part], *qtypes,
+                             act8=True, in_dtype=True, out=out, rows=[ranks[e] for e in part])
+        assert got is out or got.data_ptr() == out.data_ptr()
+    for e in range(5):
+        assert torch.equal(out[ranks[e]], fp32[e])
+    with pytest.raises(RuntimeError, match="rows: expected one per expert"):
+        native.experts(x, G[:2], U[:2], Dn[:2], *qtypes, out=out, rows=[0])
+    with pytest.raises(RuntimeError, match="rows: expected indices below 5"):
+        native.experts(x, G[:1], U[:1], Dn[:1], *qtypes, out=out, rows=[5])
+    with pytest.raises(RuntimeError, match="out: expected a contiguous fp32"):
+        native.experts(x, G[:1], U[:1], Dn[:1], *qtypes, out=out.double(), rows=[0])
+
+
 def test_bad_arguments_are_errors_not_crashes(native):
     raw, _ = weights(Q.Q4_K, 4, 512, seed=0)
     x = vector(512, seed=0)

@@ -453,10 +453,35 @@ class Kernels:
         """`dense(w, out.dtype)` written into `out` (a contiguous [rows, cols] tensor)."""
         out.copy_(self.dense(w, out.dtype))
 
-    def experts_one_row(self, x: torch.Tensor, wave: list, act: str = "silu") -> torch.Tensor | None:
+    # Whether `experts_one_row` can write into rows of an `out` buffer, for `combine`.
+    ranked_rows = False
+
+    def experts_one_row(self, x: torch.Tensor, wave: list, act: str = "silu", out: torch.Tensor | None = None,
+                        rows: list[int] | None = None) -> torch.Tensor | None:
         """A decode step's wave of experts [(id, ExpertWeights)] in one call, [n, D]; None when
-        this kernel set has no such call for `act` (each expert then runs through `swiglu`)."""
+        this kernel set has no such call for `act` (each expert then runs through `swiglu`).
+        With `out` (fp32 [A, D]), expert j's output goes unrounded to row rows[j] of it instead
+        (`ranked_rows`), and `out` is returned."""
         return None
+
+    def combine(self, weights: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A decode step's MoE output from `experts_one_row`'s rows, [1, D] in x's dtype: the sum
+        over ranks of weights[0, a] * rows[a], in rank order, in fp32, rounded once."""
+        raise NotImplementedError
+
+    def route(self, x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
+              weights_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k routing of x [T, D]: softmax over the router's logits in fp32, the k largest,
+        renormalised when `normalize`, in the logits' dtype unless `weights_fp32`:
+        (weights [T, k], expert ids [T, k])."""
+        logits = self.linear(x, router)                           # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # [T, E]
+        w, ids = torch.topk(probs, top_k, dim=-1)                 # [T, k]
+        if normalize:
+            w = w / w.sum(dim=-1, keepdim=True)
+        if not weights_fp32:
+            w = w.to(logits.dtype)
+        return w, ids
 
 
 class TorchKernels(Kernels):
@@ -505,7 +530,10 @@ class NativeKernels(Kernels):
             return super().dense_into(w, out)
         self.quant.dequantize_into(w.raw, int(w.qtype), out)
 
-    def experts_one_row(self, x: torch.Tensor, wave: list, act: str = "silu") -> torch.Tensor | None:
+    ranked_rows = True
+
+    def experts_one_row(self, x: torch.Tensor, wave: list, act: str = "silu", out: torch.Tensor | None = None,
+                        rows: list[int] | None = None) -> torch.Tensor | None:
         if act not in NATIVE_ACTIVATIONS:
             return None
         first = wave[0][1] if wave else None
@@ -514,10 +542,23 @@ class NativeKernels(Kernels):
             # experts of a layer share one format, so the wave's types are the first's.
             return self.quant.experts(x, [w.gate.raw for _, w in wave], [w.up.raw for _, w in wave],
                                       [w.down.raw for _, w in wave], int(first.gate.qtype), int(first.up.qtype),
-                                      int(first.down.qtype), act, self.act8, True)  # [n, D] in x's dtype
+                                      int(first.down.qtype), act, self.act8, True, out, rows or [])
         if not all(isinstance(w.gate_up, torch.Tensor) for _, w in wave):
             return None
         # Each expert's row is what it would be alone. Slot views are contiguous [2I, D] and
         # [D, I] in the model's dtype (bf16), which the native call requires.
-        return self.native.experts(x[0].contiguous(), [w.gate_up for _, w in wave], [w.down for _, w in wave], act)
+        return self.native.experts(x[0].contiguous(), [w.gate_up for _, w in wave], [w.down for _, w in wave], act,
+                                   out, rows or [])
+
+    def combine(self, weights: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.native.combine(weights, rows, x)
+
+    def route(self, x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
+              weights_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        # One token against a bf16 router: the whole routing in one call (its logits are
+        # `linear`'s, bit for bit).
+        if x.shape[0] == 1 and x.dtype == torch.bfloat16 and isinstance(router, torch.Tensor) \
+                and router.dtype == torch.bfloat16 and router.is_contiguous():
+            return self.native.route(x[0], router, top_k, normalize, weights_fp32)
+        return super().route(x, router, top_k, normalize, weights_fp32)
 

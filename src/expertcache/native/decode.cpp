@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 // EXPERTCACHE_PORTABLE builds the portable loop on any CPU (the tests check both builds).
@@ -93,6 +94,76 @@ torch::Tensor gemv(const torch::Tensor& w, const torch::Tensor& x) {
   return y;
 }
 
+// `out`'s data where a call writes its n experts' outputs into rows `rows` of out [A, D] (fp32):
+// nullptr without `out`.
+float* rank_rows(const c10::optional<torch::Tensor>& out, const std::vector<int64_t>& rows, int64_t n, int64_t D) {
+  if (!out.has_value()) return nullptr;
+  const torch::Tensor& o = *out;
+  TORCH_CHECK(o.device().is_cpu() && o.scalar_type() == torch::kFloat32 && o.dim() == 2 && o.is_contiguous() &&
+                  o.size(1) == D,
+              "out: expected a contiguous fp32 CPU tensor [A, ", D, "]");
+  TORCH_CHECK(static_cast<int64_t>(rows.size()) == n, "rows: expected one per expert (", n, "), got ", rows.size());
+  for (int64_t r : rows) TORCH_CHECK(r >= 0 && r < o.size(0), "rows: expected indices in [0, ", o.size(0), "), got ", r);
+  return o.data_ptr<float>();
+}
+
+// A decode step's MoE output from its experts' rows (`experts` with `out`): y [1, D] = sum over
+// ranks a of weights[a] * rows[a], in rank order, in fp32, rounded once to `like`'s dtype. Each
+// product is rounded before it is added, as llama.cpp's graph (a multiply, then a chain of adds)
+// computes it: the products go through memory, so no fused multiply-add joins the two.
+torch::Tensor combine(const torch::Tensor& weights, const torch::Tensor& rows, const torch::Tensor& like) {
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == torch::kFloat32 && rows.dim() == 2 && rows.is_contiguous(),
+              "rows: expected a contiguous fp32 CPU tensor [A, D]");
+  const int64_t A = rows.size(0), D = rows.size(1);
+  TORCH_CHECK(weights.numel() == A, "weights: expected ", A, " (one per row), got ", weights.numel());
+  const torch::Tensor w = weights.to(torch::kFloat32).contiguous();
+  const float* W = w.data_ptr<float>();
+  const float* R = rows.data_ptr<float>();
+  auto y = torch::zeros({1, D}, torch::kFloat32);
+  float* acc = y.data_ptr<float>();
+  std::vector<float> term(D);
+  for (int64_t a = 0; a < A; ++a) {
+    for (int64_t d = 0; d < D; ++d) term[d] = W[a] * R[a * D + d];
+    for (int64_t d = 0; d < D; ++d) acc[d] += term[d];
+  }
+  return y.to(like.scalar_type());
+}
+
+// A decode step's routing: logits = router [E, D] x [D] (rounded to bf16, as `gemv`), their
+// softmax in fp32, the k largest in descending order (ties: the lower id first), renormalised to
+// sum 1 when `normalize`, rounded to bf16 unless `weights_fp32`. Returns (weights [1, k], ids
+// [1, k] int64).
+std::tuple<torch::Tensor, torch::Tensor> route(const torch::Tensor& x, const torch::Tensor& router, int64_t top_k,
+                                               bool normalize, bool weights_fp32) {
+  const torch::Tensor logits = gemv(router, x);
+  const int64_t E = logits.size(0);
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k: expected 1 to ", E, ", got ", top_k);
+  const bf16* L = logits.data_ptr<bf16>();
+  std::vector<float> p(E);
+  float top = -INFINITY;
+  for (int64_t e = 0; e < E; ++e) top = std::max(top, static_cast<float>(L[e]));
+  float sum = 0.f;
+  for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(static_cast<float>(L[e]) - top));
+  const float inv = 1.f / sum;
+  for (float& v : p) v *= inv;
+  std::vector<int64_t> order(E);
+  for (int64_t e = 0; e < E; ++e) order[e] = e;
+  std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                    [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  auto ids = torch::empty({1, top_k}, torch::kInt64);
+  auto w = torch::empty({1, top_k}, torch::kFloat32);
+  int64_t* I = ids.data_ptr<int64_t>();
+  float* Wt = w.data_ptr<float>();
+  float chosen = 0.f;
+  for (int64_t j = 0; j < top_k; ++j) {
+    I[j] = order[j];
+    chosen += (Wt[j] = p[order[j]]);
+  }
+  if (normalize)
+    for (int64_t j = 0; j < top_k; ++j) Wt[j] /= chosen;
+  return {weights_fp32 ? w : w.to(torch::kBFloat16), ids};
+}
+
 // Gemma's GeGLU gate: gelu with the tanh approximation, in fp32 with torch's formula and order
 // of operations (ATen's Gelu.h): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 inline float gelu_tanh(float x) {
@@ -106,15 +177,20 @@ inline float gelu_tanh(float x) {
 //   as torch does it on bf16 tensors), y[e] = down[e] h (rounded to bf16);
 // act silu (SwiGLU) or gelu_pytorch_tanh (GeGLU), each computed in fp32 as torch computes it.
 // Returns [n, D]. Three parallel passes for the whole wave instead of five ops per expert.
+// With `out` (fp32 [A, D]) and `rows` (one per expert), expert e's output goes unrounded to row
+// rows[e] of `out` instead, which is returned: a decode step's experts in their router ranks,
+// for `combine`.
 torch::Tensor experts(const torch::Tensor& x, const std::vector<torch::Tensor>& gate_ups,
-                      const std::vector<torch::Tensor>& downs, const std::string& act) {
+                      const std::vector<torch::Tensor>& downs, const std::string& act,
+                      const c10::optional<torch::Tensor>& out, const std::vector<int64_t>& rows) {
   TORCH_CHECK(act == "silu" || act == "gelu_pytorch_tanh", "act: expected silu or gelu_pytorch_tanh, got ", act);
   const bool gelu = act == "gelu_pytorch_tanh";
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 1 && x.is_contiguous(),
               "x: expected a contiguous 1-D bf16 CPU tensor");
   TORCH_CHECK(gate_ups.size() == downs.size(), "expected as many down matrices as gate/up ones");
   const int64_t n = static_cast<int64_t>(gate_ups.size()), D = x.size(0);
-  auto y = torch::empty({n, D}, x.options());
+  float* const into = rank_rows(out, rows, n, D);
+  auto y = into != nullptr ? *out : torch::empty({n, D}, x.options());
   if (n == 0) return y;
   const int64_t I = downs[0].size(1);
   std::vector<const uint16_t*> gu_w(n), dn_w(n);
@@ -142,11 +218,15 @@ torch::Tensor experts(const torch::Tensor& x, const std::vector<torch::Tensor>& 
       h[r] = bf16(a * u).x;
     }
   });
-  bf16* Y = y.data_ptr<bf16>();
+  bf16* Y = into != nullptr ? nullptr : y.data_ptr<bf16>();
   at::parallel_for(0, n * D, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t e = r / D, i = r % D;
-      Y[r] = bf16(dot(dn_w[e] + i * I, h.data() + e * I, I));
+      const float v = dot(dn_w[e] + i * I, h.data() + e * I, I);
+      if (into != nullptr)
+        into[rows[e] * D + i] = v;
+      else
+        Y[r] = bf16(v);
     }
   });
   return y;
@@ -398,8 +478,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("gemv", &gemv, "y [N] = w [N, K] x [K], bf16, one-row decode product",
         py::call_guard<py::gil_scoped_release>());
-  m.def("experts", &experts, "a wave of gated experts (silu or gelu_pytorch_tanh) on one token: [n, D]",
-        py::arg("x"), py::arg("gate_ups"), py::arg("downs"), py::arg("act") = "silu",
+  m.def("experts", &experts, "a wave of gated experts (silu or gelu_pytorch_tanh) on one token: [n, D]; with "
+        "out (fp32 [A, D]) and rows, expert e's output unrounded in out[rows[e]]",
+        py::arg("x"), py::arg("gate_ups"), py::arg("downs"), py::arg("act") = "silu", py::arg("out") = py::none(),
+        py::arg("rows") = std::vector<int64_t>{}, py::call_guard<py::gil_scoped_release>());
+  m.def("combine", &combine, "y [1, D] = sum over ranks of weights[a] * rows[a] (fp32 [A, D]) in fp32, in like's dtype",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("route", &route, "a decode step's top-k routing: (weights [1, k], ids [1, k])",
+        py::arg("x"), py::arg("router"), py::arg("top_k"), py::arg("normalize"), py::arg("weights_fp32") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row of x [R, C], weight [C] or [R, C]",
         py::call_guard<py::gil_scoped_release>());

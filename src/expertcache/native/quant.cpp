@@ -1611,10 +1611,14 @@ bool is_gelu(const std::string& act) {
 // Returns [n, D] float32. Two parallel passes over every row of the wave, one for gate and up,
 // one for down; each row is one thread's fixed-order sum, so an expert's output does not depend
 // on the wave it runs in or on the thread count.
+// With `out` (fp32 [A, D]) and `rows` (one per expert), expert e's output goes to row rows[e] of
+// `out` instead, which is returned: a decode step's experts in their router ranks, for the decode
+// module's `combine`.
 torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor>& gates,
                       const std::vector<torch::Tensor>& ups, const std::vector<torch::Tensor>& downs,
                       int64_t gate_type, int64_t up_type, int64_t down_type, const std::string& act,
-                      bool act8, bool in_dtype) {
+                      bool act8, bool in_dtype, const c10::optional<torch::Tensor>& out,
+                      const std::vector<int64_t>& rows) {
   const bool gelu = is_gelu(act);
   const torch::Tensor x = as_f32(one_row(x_in));
   TORCH_CHECK(gates.size() == ups.size() && ups.size() == downs.size(),
@@ -1622,8 +1626,15 @@ torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor
               downs.size());
   const Format fg = format_of(gate_type), fu = format_of(up_type), fd = format_of(down_type);
   const int64_t n = static_cast<int64_t>(gates.size()), D = x.size(0);
-  auto y = torch::empty({n, D}, torch::kFloat32);
-  if (n == 0) return finish(y, x_in, in_dtype);
+  if (out.has_value()) {
+    TORCH_CHECK(out->device().is_cpu() && out->scalar_type() == torch::kFloat32 && out->dim() == 2 &&
+                    out->is_contiguous() && out->size(1) == D,
+                "out: expected a contiguous fp32 CPU tensor [A, ", D, "]");
+    TORCH_CHECK(static_cast<int64_t>(rows.size()) == n, "rows: expected one per expert (", n, "), got ", rows.size());
+    for (int64_t r : rows) TORCH_CHECK(r >= 0 && r < out->size(0), "rows: expected indices below ", out->size(0), ", got ", r);
+  }
+  auto y = out.has_value() ? *out : torch::empty({n, D}, torch::kFloat32);
+  if (n == 0) return out.has_value() ? y : finish(y, x_in, in_dtype);
   const int64_t I = gates[0].size(0);
   std::vector<const uint8_t*> G(n), U(n), Dn(n);
   for (int64_t e = 0; e < n; ++e) {
@@ -1679,14 +1690,15 @@ torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor
   at::parallel_for(0, n * D, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end;) {  // one run of one expert's rows at a time
       const int64_t e = r / D, i = r % D, run = std::min(end - r, D - i);
+      float* to = Y + (out.has_value() ? rows[e] * D + i : r);
       if (act8)
-        dot_rows_act(fd, id, id8, Dn[e] + i * dstride, dstride, run, ah[e], I, Y + r);
+        dot_rows_act(fd, id, id8, Dn[e] + i * dstride, dstride, run, ah[e], I, to);
       else
-        for (int64_t k = 0; k < run; ++k) Y[r + k] = row_dot(fd, Dn[e] + (i + k) * dstride, h.data() + e * I, I);
+        for (int64_t k = 0; k < run; ++k) to[k] = row_dot(fd, Dn[e] + (i + k) * dstride, h.data() + e * I, I);
       r += run;
     }
   });
-  return finish(y, x_in, in_dtype);
+  return out.has_value() ? y : finish(y, x_in, in_dtype);
 }
 
 }  // namespace
@@ -1720,7 +1732,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "raw ggml rows [N, row bytes] of a type -> fp32 [N, K]",
         py::call_guard<py::gil_scoped_release>());
   m.def("experts", &experts, "a wave of gated experts (silu or gelu_pytorch_tanh) on one token from raw ggml rows: "
-        "fp32 [n, D] (in_dtype: in x's dtype); x [D] or [1, D]", py::arg("x"), py::arg("gates"), py::arg("ups"),
+        "fp32 [n, D] (in_dtype: in x's dtype); x [D] or [1, D]; with out (fp32 [A, D]) and rows, expert e's output "
+        "in out[rows[e]]", py::arg("x"), py::arg("gates"), py::arg("ups"),
         py::arg("downs"), py::arg("gate_type"), py::arg("up_type"), py::arg("down_type"), py::arg("act") = "silu",
-        py::arg("act8") = false, py::arg("in_dtype") = false, py::call_guard<py::gil_scoped_release>());
+        py::arg("act8") = false, py::arg("in_dtype") = false, py::arg("out") = py::none(),
+        py::arg("rows") = std::vector<int64_t>{}, py::call_guard<py::gil_scoped_release>());
 }
