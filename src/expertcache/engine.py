@@ -6,6 +6,7 @@ and KV state of one conversation so that a later call can reuse its longest comm
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import time
@@ -278,15 +279,22 @@ class Model:
                 "total": self.prefill_total.as_dict()}
 
     def _read_bytes(self) -> int:
-        return self.experts.telemetry_.total()["copied_bytes"]
+        return self.experts.telemetry_.copied_bytes()
 
     def _as_tensor(self, token_ids) -> torch.Tensor:
         # Checked where the ids are (on the host for a list), then moved once: on a GPU, reading
         # a device tensor's min and max back would wait for the device at every call.
-        ids = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids,
-                              dtype=torch.long).reshape(-1)
+        if torch.is_tensor(token_ids):
+            ids = token_ids.to(torch.long).reshape(-1)
+            lo, hi = (int(ids.min()), int(ids.max())) if ids.numel() else (0, 0)
+        else:  # a list: checked in Python (a decode step's one id costs two tensor reductions otherwise)
+            try:
+                token_ids = [operator.index(t) for t in token_ids]
+            except TypeError:
+                raise ExpertCacheError(f"token ids must be integers, got {list(token_ids)[:8]}") from None
+            ids = torch.tensor(token_ids, dtype=torch.long)
+            lo, hi = (min(token_ids), max(token_ids)) if token_ids else (0, 0)
         if ids.numel():
-            lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= self.cfg.vocab_size:
                 bad = hi if hi >= self.cfg.vocab_size else lo
                 raise ExpertCacheError(f"token id {bad} out of range: the vocabulary has {self.cfg.vocab_size} tokens")

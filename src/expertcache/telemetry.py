@@ -86,6 +86,11 @@ class Telemetry:
         for key in wasted:
             self._layer(key.layer)["prefetch_wasted"] += 1
 
+    def copied_bytes(self) -> int:
+        """Bytes copied into slots by ops and prefetches so far (`total()["copied_bytes"]`, at a
+        fraction of its cost: every prefill reads it twice)."""
+        return sum(c["copied_bytes"] for c in self.layers.values())
+
     def total(self) -> dict:
         t = Counter({k: 0 for k in OP_COUNTERS})
         for c in self.layers.values():

@@ -506,8 +506,9 @@ class NativeKernels(Kernels):
         return super().linear(x, w, b)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1:
-            return self.native.rms_norm(x.contiguous(), weight, eps)  # one call for torch's eight
+        shape = x.shape  # a Python tuple: read without a dispatch, unlike x.dim()
+        if len(shape) == 2 and shape[0] == 1:
+            return self.native.rms_norm(x, weight, eps)  # one call for torch's eight
         return super().rms_norm(x, weight, eps)
 
     def rms_norm_scaled(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, reference) -> torch.Tensor:
@@ -559,6 +560,6 @@ class NativeKernels(Kernels):
         # `linear`'s, bit for bit).
         if x.shape[0] == 1 and x.dtype == torch.bfloat16 and isinstance(router, torch.Tensor) \
                 and router.dtype == torch.bfloat16 and router.is_contiguous():
-            return self.native.route(x[0], router, top_k, normalize, weights_fp32)
+            return self.native.route(x, router, top_k, normalize, weights_fp32)
         return super().route(x, router, top_k, normalize, weights_fp32)
 

@@ -174,12 +174,12 @@ def attention(k: Kernels, cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor
             and cfg.qk_norm in ("none", "head") and cfg.clip_qkv is None):
         # Everything between the two projections in one call: q/k norm, rotary, the cache append
         # and attention over the cache (see native/decode.cpp).
-        qkv = linear(x, w.qkv, w.qkv_bias)[0]                                      # [(H+2G)*Dh]
+        qkv = linear(x, w.qkv, w.qkv_bias)                                         # [1, (H+2G)*Dh]
         kv.reserve(kv.length + 1)
         norm = w.qk_norm if w.qk_norm is not None else _NO_NORM
-        out = native.attend(qkv, norm, eps, cos[0], sin[0], kv.k[layer], kv.v[layer], kv.length,
-                            Dh ** -0.5, H, G)                                      # [H*Dh]
-        return linear(out[None], w.o, w.o_bias)                                    # [1, D]
+        out = native.attend(qkv, norm, eps, cos, sin, kv.k[layer], kv.v[layer], kv.length,
+                            Dh ** -0.5, H, G)                                      # [1, H*Dh]
+        return linear(out, w.o, w.o_bias)                                          # [1, D]
     # Queries and keys stay side by side, [T, H+G, Dh], and are normalised and rotated as one
     # tensor: per element the same arithmetic as doing each alone, in half the calls.
     qk, v = linear(x, w.qkv, w.qkv_bias).split([(H + G) * Dh, G * Dh], dim=-1)  # [T, (H+G)*Dh], [T, G*Dh]

@@ -129,13 +129,13 @@ torch::Tensor combine(const torch::Tensor& weights, const torch::Tensor& rows, c
   return y.to(like.scalar_type());
 }
 
-// A decode step's routing: logits = router [E, D] x [D] (rounded to bf16, as `gemv`), their
+// A decode step's routing: logits = router [E, D] x [D] (or [1, D]; rounded to bf16, as `gemv`), their
 // softmax in fp32, the k largest in descending order (ties: the lower id first), renormalised to
 // sum 1 when `normalize`, rounded to bf16 unless `weights_fp32`. Returns (weights [1, k], ids
 // [1, k] int64).
 std::tuple<torch::Tensor, torch::Tensor> route(const torch::Tensor& x, const torch::Tensor& router, int64_t top_k,
                                                bool normalize, bool weights_fp32) {
-  const torch::Tensor logits = gemv(router, x);
+  const torch::Tensor logits = gemv(router, x.dim() == 2 && x.size(0) == 1 ? x.reshape({-1}) : x);
   const int64_t E = logits.size(0);
   TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k: expected 1 to ", E, ", got ", top_k);
   const bf16* L = logits.data_ptr<bf16>();
@@ -254,7 +254,8 @@ void rms_rows(const uint16_t* x, const uint16_t* w, bool per_row, int64_t R, int
   }
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w, double eps) {
+  const torch::Tensor x = x_in.contiguous();  // a decode step's rows already are: no copy
   check_rows(x, "x");
   check_rows(w, "weight");
   TORCH_CHECK(x.dim() == 2, "x: expected [rows, columns]");
@@ -334,7 +335,8 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& qk_norm, dou
   }
   for (int64_t g = 0; g < G; ++g)
     std::memcpy(V + (g * cap + pos) * Dh, in + (H + G + g) * Dh, Dh * sizeof(uint16_t));
-  auto y = torch::empty({H * Dh}, qkv.options());
+  // [1, H * Dh] for qkv [1, *] (the projection's row as it comes): the o projection's input.
+  auto y = qkv.dim() == 2 ? torch::empty({1, H * Dh}, qkv.options()) : torch::empty({H * Dh}, qkv.options());
   uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<bf16>());
   at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p(P), acc(Dh);

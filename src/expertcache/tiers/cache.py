@@ -47,6 +47,8 @@ from .residency import Residency
 from .store import LARGE_LOAD_BYTES, ExpertStore, FileVersion, file_version
 from .transfer import CopyJob, CopyWorker, Transfers
 
+_NOTHING: frozenset = frozenset()
+
 # After an op of a layer is planned: the next op's layer and its predicted experts (distinct,
 # best first), or None.
 Predict = Callable[[int], "tuple[int, list[int]] | None"]
@@ -188,10 +190,11 @@ class ExpertCache:
                 finally:
                     self.transfers.after_compute(wave.slots)
         finally:
-            self._op_reads = frozenset()
+            self._op_reads = _NOTHING
             # A copy that failed, or a caller that left early, leaves the bookkeeping as if the
             # remaining copies had never been planned: their slots are not marked resident.
-            self._unplan(layer, plan.waves[done:])
+            if done < len(plan.waves):
+                self._unplan(layer, plan.waves[done:])
         self.telemetry_.op(layer, len(experts), plan.loaded_before, len(plan.hits), copied, ranges,
                            len(plan.evicted), len(plan.waves), prefetch_used=len(plan.prefetched),
                            wasted=plan.wasted)

@@ -69,6 +69,11 @@ class Policy(ABC):
     def hit(self, key: ExpertKey) -> None:
         """`key` was resident and is used by the current op."""
 
+    def hits(self, keys: list[ExpertKey]) -> None:
+        """`hit` on each of `keys` in turn (an op's hits, id order); policies may do it faster."""
+        for key in keys:
+            self.hit(key)
+
     @abstractmethod
     def insert(self, key: ExpertKey) -> None:
         """`key` just became resident (after a miss)."""
@@ -429,6 +434,19 @@ class LRFU(Policy):
         assert key in self._rank, key
         self._use(key)
 
+    def hits(self, keys: list[ExpertKey]) -> None:
+        # `_use` inlined: every decode step of every MoE layer comes here.
+        op, half_life, history, rank, heap = self._op, self.half_life, self._history, self._rank, self._heap
+        clock, log2, push = op / half_life, math.log2, heapq.heappush
+        for key in keys:
+            assert key in rank, key
+            score, last = history.get(key, (0.0, op))
+            score = score * 2.0 ** (-(op - last) / half_life) + 1.0
+            history[key] = (score, op)
+            entry = rank[key] = (log2(score) + clock, op)
+            push(heap, (*entry, key))
+        self._compact()
+
     def insert(self, key: ExpertKey) -> None:
         assert key not in self._rank, key
         self._use(key)
@@ -439,6 +457,10 @@ class LRFU(Policy):
         entry = (math.log2(score) + self._op / self.half_life, self._op)
         self._rank[key] = entry
         heapq.heappush(self._heap, (*entry, key))
+        self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the heap from the live entries once stale ones outnumber them well."""
         if len(self._heap) > 4 * len(self._rank) + 64:
             self._heap = [(*e, k) for k, e in self._rank.items()]
             heapq.heapify(self._heap)

@@ -166,10 +166,10 @@ class Residency:
         mask = self._masks.get(layer, 0)
         hits = [e for e in experts if mask >> e & 1]
         misses = [e for e in experts if not mask >> e & 1]
-        for e in hits:
-            self._policy.hit(keys[e])
-        prefetched = [e for e in hits if keys[e] in self._prefetched]
-        self._prefetched.difference_update(keys[e] for e in prefetched)
+        self._policy.hits([keys[e] for e in hits])
+        prefetched = [e for e in hits if keys[e] in self._prefetched] if self._prefetched else []
+        if prefetched:
+            self._prefetched.difference_update(keys[e] for e in prefetched)
 
         room = self._capacity - len(hits)
         first = experts if not misses else sorted(hits + misses[:room])
@@ -178,7 +178,7 @@ class Residency:
             chunk = misses[i : i + self._capacity]
             waves.append(self._wave(layer, keys, chunk, chunk))
         self._last_op = list(keys.values())
-        wasted = [k for w in waves for k in w.evicted if k in self._wasted_now]
+        wasted = [k for w in waves for k in w.evicted if k in self._wasted_now] if self._wasted_now else []
         self._wasted_now.clear()
         return OpPlan(layer, hits, misses, waves, loaded_before=mask.bit_count(), prefetched=prefetched,
                       wasted=wasted)
