@@ -154,8 +154,12 @@ def test_rms_norm_matches_torch(native, rows, cols, per_row):
     torch.testing.assert_close(native.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), rtol=2 ** -7, atol=1e-3)
 
 
-def test_attend_matches_reference_attention(native):
-    H, G, Dh, cap, pos, eps = 4, 2, 16, 10, 6, 1e-6
+# Heads per key/value head 2, 8, 6 (a block of 4 and one of 2) and 1; a head width with a tail past
+# the last 8 lanes; contexts past a block of 64 values and not a multiple of 8.
+@pytest.mark.parametrize("H,G,Dh,cap,pos", [(4, 2, 16, 10, 6), (16, 2, 32, 200, 149), (12, 2, 20, 80, 70),
+                                            (3, 3, 16, 12, 9)])
+def test_attend_matches_reference_attention(native, H, G, Dh, cap, pos):
+    eps = 1e-6
     qkv, norm = bf16((H + 2 * G) * Dh, seed=1), bf16(H + G, Dh, seed=2, scale=0.5)
     angle = torch.rand(Dh // 2, generator=torch.Generator().manual_seed(3)) * 6
     cos = torch.cat((angle.cos(), angle.cos())).to(torch.bfloat16)

@@ -26,6 +26,11 @@
 #define EXPERTCACHE_BF16_DOT 1
 #include <immintrin.h>
 #endif
+// Decode attention's sums in AVX2 registers (`attend_heads`); the portable loop elsewhere.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(EXPERTCACHE_PORTABLE)
+#define EXPERTCACHE_AVX2_ATTEND 1
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -296,6 +301,146 @@ torch::Tensor rms_norm_scaled(const torch::Tensor& x, const c10::optional<torch:
   return y;
 }
 
+// exp(x) for x <= 0 (softmax scores less their maximum), within about 2 ulp of the exact value,
+// 0 below -87: Cody-Waite reduction by ln 2 and Cephes' degree-5 polynomial, branch-free so that
+// a loop over it vectorises (std::exp does not: it sets errno).
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  // n = round(x / ln 2): adding and taking away 1.5 * 2^23 rounds to an integer (no branch, no libm)
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float poly = 1.9875691500e-4f;
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  const float e = poly * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return e * scale;
+}
+
+#if defined(EXPERTCACHE_AVX2_ATTEND)
+// Eight bf16 values as fp32 lanes.
+inline __m256 widen8(const uint16_t* v) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// exp_nonpositive on eight lanes, the same steps.
+inline __m256 exp8_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f),
+                                   _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  __m256 poly = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(c));
+  const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(poly, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+}
+
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+#endif
+
+// NH query heads q [NH, Dh] (fp32) that share one key/value head, over its P cached positions
+// K, V [P, Dh] (bf16): out [NH, Dh] = softmax(q K^T * scale) V, in fp32; p [NH, P rounded up to
+// a multiple of 8] scratch.
+// Each key or value row is widened once for all NH heads, whose sums are independent lanes kept
+// in registers (NH x 8 fp32): several times fewer loads than one head at a time.
+template <int NH>
+void attend_heads(const float* q, const uint16_t* K, const uint16_t* V, int64_t P, int64_t Dh, float scale,
+                  float* p, float* out) {
+  const int64_t D8 = Dh - Dh % 8, P8 = (P + 7) / 8 * 8;
+  for (int64_t t = 0; t < P; ++t) {
+    const uint16_t* kt = K + t * Dh;
+    float sums[NH];
+#if defined(EXPERTCACHE_AVX2_ATTEND)
+    __m256 lane[NH];
+    for (int j = 0; j < NH; ++j) lane[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D8; d += 8) {
+      const __m256 k8 = widen8(kt + d);
+      for (int j = 0; j < NH; ++j) lane[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * Dh + d), k8, lane[j]);
+    }
+    for (int j = 0; j < NH; ++j) sums[j] = sum8(lane[j]);
+#else
+    float lane[NH][8] = {};
+    for (int64_t d = 0; d < D8; d += 8) {
+      float k8[8];
+      for (int i = 0; i < 8; ++i) k8[i] = widen(kt[d + i]);
+      for (int j = 0; j < NH; ++j)
+        for (int i = 0; i < 8; ++i) lane[j][i] += q[j * Dh + d + i] * k8[i];
+    }
+    for (int j = 0; j < NH; ++j) {
+      sums[j] = 0.f;
+      for (int i = 0; i < 8; ++i) sums[j] += lane[j][i];
+    }
+#endif
+    for (int j = 0; j < NH; ++j) {
+      float s = sums[j];
+      for (int64_t d = D8; d < Dh; ++d) s += q[j * Dh + d] * widen(kt[d]);
+      p[j * P8 + t] = s * scale;
+    }
+  }
+  for (int j = 0; j < NH; ++j) {
+    float* pj = p + j * P8;
+    float top = -INFINITY;
+    for (int64_t t = 0; t < P; ++t) top = std::max(top, pj[t]);
+#if defined(EXPERTCACHE_AVX2_ATTEND)
+    // Eight at a time over the padded row (its tail is never read again): GCC does not
+    // vectorise the scalar form, whose clamp is a branch under -ftrapping-math.
+    for (int64_t t = 0; t < P; t += 8)
+      _mm256_storeu_ps(pj + t, exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(pj + t), _mm256_set1_ps(top))));
+#else
+    for (int64_t t = 0; t < P; ++t) pj[t] = exp_nonpositive(pj[t] - top);
+#endif
+    float total = 0.f;
+    for (int64_t t = 0; t < P; ++t) total += pj[t];
+    const float inv = 1.f / total;
+    for (int64_t t = 0; t < P; ++t) pj[t] *= inv;
+  }
+  std::fill(out, out + NH * Dh, 0.f);
+  for (int64_t t0 = 0; t0 < P; t0 += 64) {  // 64 value rows at a time stay in L1 across the columns
+    const int64_t t1 = std::min(P, t0 + 64);
+    for (int64_t d = 0; d < D8; d += 8) {
+#if defined(EXPERTCACHE_AVX2_ATTEND)
+      __m256 lane[NH];
+      for (int j = 0; j < NH; ++j) lane[j] = _mm256_loadu_ps(out + j * Dh + d);
+      for (int64_t t = t0; t < t1; ++t) {
+        const __m256 v8 = widen8(V + t * Dh + d);
+        for (int j = 0; j < NH; ++j) lane[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * P8 + t]), v8, lane[j]);
+      }
+      for (int j = 0; j < NH; ++j) _mm256_storeu_ps(out + j * Dh + d, lane[j]);
+#else
+      float lane[NH][8];
+      for (int j = 0; j < NH; ++j)
+        for (int i = 0; i < 8; ++i) lane[j][i] = out[j * Dh + d + i];
+      for (int64_t t = t0; t < t1; ++t) {
+        float v8[8];
+        for (int i = 0; i < 8; ++i) v8[i] = widen(V[t * Dh + d + i]);
+        for (int j = 0; j < NH; ++j) {
+          const float w = p[j * P8 + t];
+          for (int i = 0; i < 8; ++i) lane[j][i] += w * v8[i];
+        }
+      }
+      for (int j = 0; j < NH; ++j)
+        for (int i = 0; i < 8; ++i) out[j * Dh + d + i] = lane[j][i];
+#endif
+    }
+    for (int64_t d = D8; d < Dh; ++d)
+      for (int64_t t = t0; t < t1; ++t)
+        for (int j = 0; j < NH; ++j) out[j * Dh + d] += p[j * P8 + t] * widen(V[t * Dh + d]);
+  }
+}
+
 // Decode attention for one token, from the q/k/v projection's output to the heads' outputs:
 //   qkv [(H + 2G) * Dh]: q for H heads, k and v for G key/value heads;
 //   qk_norm [H + G, Dh] (one weight row per head) or empty: RMSNorm of q and k first;
@@ -338,25 +483,28 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& qk_norm, dou
   // [1, H * Dh] for qkv [1, *] (the projection's row as it comes): the o projection's input.
   auto y = qkv.dim() == 2 ? torch::empty({1, H * Dh}, qkv.options()) : torch::empty({H * Dh}, qkv.options());
   uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<bf16>());
-  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(P), acc(Dh);
-    for (int64_t h = begin; h < end; ++h) {
-      const int64_t g = h / R;
-      const uint16_t* qh = q.data() + h * Dh;
-      float top = -INFINITY;
-      for (int64_t t = 0; t < P; ++t) {
-        p[t] = dot(K + (g * cap + t) * Dh, qh, Dh) * static_cast<float>(scale);
-        top = std::max(top, p[t]);
+  // The R query heads of a key/value group in blocks of up to 8 (`attend_heads`), one block per
+  // task: each key and value row is read once per block rather than once per head.
+  const int64_t HB = std::min<int64_t>(R, 8), blocks = (R + HB - 1) / HB;
+  std::vector<float> qf(H * Dh);
+  for (int64_t i = 0; i < H * Dh; ++i) qf[i] = widen(q[i]);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(HB * ((P + 7) / 8 * 8)), acc(HB * Dh);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t g = u / blocks, h0 = g * R + (u % blocks) * HB, nh = std::min(HB, g * R + R - h0);
+      const uint16_t *Kg = K + g * cap * Dh, *Vg = V + g * cap * Dh;
+      for (int64_t j = 0; j < nh;) {  // in blocks of 8, 4, 2 and 1 heads
+        const int64_t n = nh - j >= 8 ? 8 : nh - j >= 4 ? 4 : nh - j >= 2 ? 2 : 1;
+        const float* qj = qf.data() + (h0 + j) * Dh;
+        float *pj = p.data(), *aj = acc.data();
+        if (n == 8) attend_heads<8>(qj, Kg, Vg, P, Dh, sc, pj, aj);
+        else if (n == 4) attend_heads<4>(qj, Kg, Vg, P, Dh, sc, pj, aj);
+        else if (n == 2) attend_heads<2>(qj, Kg, Vg, P, Dh, sc, pj, aj);
+        else attend_heads<1>(qj, Kg, Vg, P, Dh, sc, pj, aj);
+        for (int64_t i = 0; i < n * Dh; ++i) Y[(h0 + j) * Dh + i] = bf16(aj[i]).x;
+        j += n;
       }
-      float total = 0.f;
-      for (int64_t t = 0; t < P; ++t) total += (p[t] = std::exp(p[t] - top));
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < P; ++t) {
-        const uint16_t* vt = V + (g * cap + t) * Dh;
-        const float pt = p[t] / total;
-        for (int64_t d = 0; d < Dh; ++d) acc[d] += pt * widen(vt[d]);
-      }
-      for (int64_t d = 0; d < Dh; ++d) Y[h * Dh + d] = bf16(acc[d]).x;
     }
   });
   return y;
