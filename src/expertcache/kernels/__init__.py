@@ -501,8 +501,8 @@ class NativeKernels(Kernels):
         if isinstance(w, (QuantTensor, RowParts)):
             return self.linear_blocks(x, w, b)
         if x.shape[0] == 1 and w.is_contiguous():
-            y = self.native.gemv(w, x[0].contiguous())  # [N]
-            return (y if b is None else y + b)[None]    # [1, N]
+            y = self.native.gemv(w, x)                  # [1, N]
+            return y if b is None else y + b
         return super().linear(x, w, b)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -514,7 +514,7 @@ class NativeKernels(Kernels):
     def rms_norm_scaled(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, reference) -> torch.Tensor:
         # A decode step's norms (one token: [1, D], or [1, heads, Dh]) in one call each.
         if x.shape[0] == 1 and x.dtype == torch.bfloat16:
-            return self.native.rms_norm_scaled(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
+            return self.native.rms_norm_scaled(x, weight, eps)
         return reference(x, weight, eps)
 
     def dense(self, w, dtype: torch.dtype) -> torch.Tensor:

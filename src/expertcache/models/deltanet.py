@@ -142,13 +142,13 @@ def deltanet(kern: Kernels, cfg: DeltaNetConfig, w: DeltaNetWeights, x: torch.Te
     if kern.native is not None and T == 1:
         # The decode step between the projections in one native call (native/decode.cpp), which
         # rounds where the torch path below does: about forty torch calls fewer per layer.
-        o = kern.native.deltanet_step(linear(x, w.in_proj_qkv)[0], linear(x, w.in_proj_z)[0],
-                                      linear(x, w.in_proj_b)[0], linear(x, w.in_proj_a)[0], w.conv, state.conv,
+        o = kern.native.deltanet_step(linear(x, w.in_proj_qkv), linear(x, w.in_proj_z),
+                                      linear(x, w.in_proj_b), linear(x, w.in_proj_a), w.conv, state.conv,
                                       w.A, w.dt_bias, w.norm, state.recurrent, Hk, cfg.tiled_v_heads, cfg.eps)
         state.tokens += 1
         if paths is not None:
             paths.recurrent += 1
-        return linear(o[None], w.out_proj)                            # [1, D]
+        return linear(o, w.out_proj)                                  # [1, D]
     mixed = causal_conv(linear(x, w.in_proj_qkv), w.conv, state)      # [T, C]
     z = linear(x, w.in_proj_z)                                        # [T, Hv*dv]
     beta = linear(x, w.in_proj_b).sigmoid().float()                   # [T, Hv]

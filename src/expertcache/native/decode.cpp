@@ -82,14 +82,16 @@ void check_matrix(const torch::Tensor& w, int64_t K, const char* what) {
   TORCH_CHECK(w.size(1) == K, what, ": expected ", K, " columns, got ", w.size(1));
 }
 
-// y [N] = w [N, K] x [K], rounded to bf16 once per element.
-torch::Tensor gemv(const torch::Tensor& w, const torch::Tensor& x) {
+// y [N] = w [N, K] x [K], rounded to bf16 once per element; y [1, N] for a decode step's x [1, K].
+torch::Tensor gemv(const torch::Tensor& w, const torch::Tensor& x_in) {
+  const bool row = x_in.dim() == 2 && x_in.size(0) == 1;
+  const torch::Tensor x = row ? x_in.reshape({-1}).contiguous() : x_in;
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 1 && x.is_contiguous(),
-              "x: expected a contiguous 1-D bf16 CPU tensor");
+              "x: expected a contiguous 1-D (or [1, K]) bf16 CPU tensor");
   const int64_t K = x.size(0);
   check_matrix(w, K, "w");
   const int64_t N = w.size(0);
-  auto y = torch::empty({N}, x.options());
+  auto y = row ? torch::empty({1, N}, x.options()) : torch::empty({N}, x.options());
   const uint16_t* W = bits(w);
   const uint16_t* X = bits(x);
   bf16* Y = y.data_ptr<bf16>();
@@ -140,7 +142,7 @@ torch::Tensor combine(const torch::Tensor& weights, const torch::Tensor& rows, c
 // [1, k] int64).
 std::tuple<torch::Tensor, torch::Tensor> route(const torch::Tensor& x, const torch::Tensor& router, int64_t top_k,
                                                bool normalize, bool weights_fp32) {
-  const torch::Tensor logits = gemv(router, x.dim() == 2 && x.size(0) == 1 ? x.reshape({-1}) : x);
+  const torch::Tensor logits = gemv(router, x).reshape({-1});
   const int64_t E = logits.size(0);
   TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k: expected 1 to ", E, ", got ", top_k);
   const bf16* L = logits.data_ptr<bf16>();
@@ -276,10 +278,13 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w, double
 // RMSNorm normalised and scaled in fp32, rounded once (Gemma 4's norms, and Qwen3.5's with 1 + w
 // in the weight): y = bf16(x * inv * w), w fp32 or bf16 [C], or without a weight bf16(x * inv).
 // torch takes about eight ops for this; a decode step of those families runs dozens of them.
-torch::Tensor rms_norm_scaled(const torch::Tensor& x, const c10::optional<torch::Tensor>& w, double eps) {
+// x of any shape is taken as rows of its last dim (a decode step's [1, D] or [1, heads, Dh]); y
+// has x's shape.
+torch::Tensor rms_norm_scaled(const torch::Tensor& x_in, const c10::optional<torch::Tensor>& w, double eps) {
+  TORCH_CHECK(x_in.dim() >= 1, "x: expected at least one dim");
+  const torch::Tensor x = x_in.contiguous();
   check_rows(x, "x");
-  TORCH_CHECK(x.dim() == 2, "x: expected [rows, columns]");
-  const int64_t R = x.size(0), C = x.size(1);
+  const int64_t C = x.size(-1), R = C ? x.numel() / C : 0;
   const bool has_w = w.has_value() && w->defined();
   if (has_w)
     TORCH_CHECK(w->device().is_cpu() && w->is_contiguous() && w->dim() == 1 && w->size(0) == C &&
@@ -576,7 +581,7 @@ torch::Tensor deltanet_step(const torch::Tensor& qkv, const torch::Tensor& z, co
       const float inv = 1.f / std::sqrt(ss + 1e-6f);
       for (int64_t i = 0; i < dk; ++i) v[i] = part ? v[i] * inv : (v[i] * inv) * qscale;
     }
-  auto y = torch::empty({Hv * dv}, qkv.options());
+  auto y = qkv.dim() == 2 ? torch::empty({1, Hv * dv}, qkv.options()) : torch::empty({Hv * dv}, qkv.options());
   uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<bf16>());
   float* St = S.data_ptr<float>();
   const int64_t R = Hv / Hk;
