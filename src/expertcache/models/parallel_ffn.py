@@ -77,10 +77,9 @@ class ParallelFFN:
         return k.rms_norm_scaled(h, None, self.eps, gemma_rms_norm) * w.scale * self.hidden ** -0.5
 
     def route(self, k, h: torch.Tensor, router: torch.Tensor, w: ParallelFFNWeights) -> Routing:
-        x = self.router_input(k, h, w)                                          # [T, D]
-        probs = torch.softmax(k.linear(x, router), dim=-1, dtype=torch.float)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)                   # [T, A]
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        x = self.router_input(k, h, w)                                               # [T, D]
+        # softmax in fp32, top-k, renormalised, left in fp32 (`Kernels.route`)
+        weights, ids = k.route(x, router, self.top_k, True, weights_fp32=True)       # [T, A]
         return Routing(weights * w.expert_scale[ids], ids)
 
     def __call__(self, dec, lw, h: torch.Tensor, x: torch.Tensor, layer: int) -> torch.Tensor:
