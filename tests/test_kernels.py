@@ -67,11 +67,17 @@ def test_gemv_does_not_depend_on_thread_count(native):
     assert torch.equal(one, many)
 
 
+def bf16_experts(D: int, I: int, n: int, seed: int):
+    """A token x [D] and n random bf16 experts: gate_up [2I, D] and down [D, I] matrices."""
+    x = bf16(D, seed=seed)
+    gate_ups = [bf16(2 * I, D, seed=10 * seed + 10 + e, scale=0.1) for e in range(n)]
+    downs = [bf16(D, I, seed=10 * seed + 20 + e, scale=0.1) for e in range(n)]
+    return x, gate_ups, downs
+
+
 def test_experts_match_exact_swiglu_and_do_not_depend_on_the_wave(native):
     D, I, n = 96, 48, 5
-    x = bf16(D, seed=0)
-    gate_ups = [bf16(2 * I, D, seed=10 + e, scale=0.1) for e in range(n)]
-    downs = [bf16(D, I, seed=20 + e, scale=0.1) for e in range(n)]
+    x, gate_ups, downs = bf16_experts(D, I, n, seed=0)
     wave = native.experts(x, gate_ups, downs)
     assert wave.shape == (n, D) and wave.dtype == torch.bfloat16
     for e in range(n):
@@ -87,9 +93,7 @@ def test_experts_match_exact_swiglu_and_do_not_depend_on_the_wave(native):
 
 def test_experts_write_unrounded_rank_rows(native):
     D, I, n = 64, 32, 4
-    x = bf16(D, seed=1)
-    gate_ups = [bf16(2 * I, D, seed=30 + e, scale=0.1) for e in range(n)]
-    downs = [bf16(D, I, seed=40 + e, scale=0.1) for e in range(n)]
+    x, gate_ups, downs = bf16_experts(D, I, n, seed=1)
     rounded = native.experts(x, gate_ups, downs)
     out = torch.full((n, D), float("nan"))
     ranks = [2, 3, 0, 1]
