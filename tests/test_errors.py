@@ -125,3 +125,18 @@ def test_a_context_beyond_the_trained_one_is_a_warning(capsys):
     assert code == 0
     warning = [line for line in err.splitlines() if "warning" in line]
     assert len(warning) == 1 and "8192" in warning[0] and "4096" in warning[0]
+
+
+def test_bad_token_ids_are_errors_and_leave_the_session_as_it_was(ckpt):
+    import expertcache
+    from expertcache import ExpertCacheError
+
+    model = expertcache.load(ckpt)
+    session = model.new_session()
+    model.prefill(session, [1, 2, 3])
+    for ids, needle in (([1.5], "token ids must be integers, got [1.5]"),
+                        ([4, 10 ** 6], "token id 1000000 out of range")):
+        with pytest.raises(ExpertCacheError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+            model.prefill(session, ids)
+        assert session.kv.length == 3 and session.tokens == [1, 2, 3]
+    assert model.prefill(session, [4]).shape == (model.cfg.vocab_size,)
