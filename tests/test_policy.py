@@ -167,6 +167,30 @@ def test_lrfu_remembers_evicted_keys():
     assert K(1) not in p and p.score(K(1)) == 0.0 and p.score(K(2)) == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_an_ops_hits_in_one_call_are_its_hits_one_by_one(name):
+    # `hits` (what `Residency.plan` calls, LRFU's inlined) must leave a policy exactly as `hit` on
+    # each key in turn: the same victims afterwards, in the same order, and LRFU's same scores.
+    one, many = make_policy(name, 6), make_policy(name, 6)
+    ops = [[0, 1, 2], [1, 3, 4], [0, 2, 5], [1, 2, 3], [0, 4, 5], [2, 3, 5]]
+    resident: list[int] = []
+    for i, op in enumerate(ops):
+        for p in (one, many):
+            p.begin_op(i)
+        hit = [e for e in op if e in resident]
+        for e in hit:
+            one.hit(K(e))
+        many.hits([K(e) for e in hit])
+        for e in op:
+            if e not in resident:
+                one.insert(K(e))
+                many.insert(K(e))
+                resident.append(e)
+    if name == "lrfu":
+        assert [one.score(K(e)) for e in range(6)] == [many.score(K(e)) for e in range(6)]
+    assert [one.evict(set()).expert for _ in range(6)] == [many.evict(set()).expert for _ in range(6)]
+
+
 def test_belady_trace():
     # capacity 2, ops 0..5 use 1 2 3 1 2 3.
     # op 2 (3): next uses 1@3, 2@4 -> evict 2.  op 3: 1 hits.
