@@ -227,16 +227,24 @@ def test_chat_streams_and_cache_view_matches_the_server(browser, tmp_path):
         if os.environ.get("EXPERTCACHE_WEB_SCREENSHOT"):
             shutil.copyfile(shot, os.environ["EXPERTCACHE_WEB_SCREENSHOT"])
 
-        # While another client's long request runs, the server keeps answering and the page keeps
-        # receiving the cache's state (the token count it shows moves before the request ends).
+        # While another client's long requests run, the server keeps answering and the page keeps
+        # receiving the cache's state (the token count it shows moves while they run).
         seen: list[int] = []
         done = threading.Event()
-        long_prompt = " ".join(f"x{i} = {i} * {i}" for i in range(90))
+        # Long by its generated tokens (a prompt of about 140 tokens, 800 more in a context of 1024):
+        # decode steps are what takes the time, each visible in the counters. One such request
+        # takes about a second here (four of the page's event periods), so they are repeated
+        # until at least two seconds have passed, however fast the machine.
+        long_prompt = " ".join(f"x{i} = {i} * {i}" for i in range(20))
 
         def long_request() -> None:
             try:
-                httpx.post(server.url + "/v1/completions", timeout=TIMEOUT, json={
-                    "prompt": long_prompt, "max_tokens": 200, "ignore_eos": True, "cache_prompt": False})
+                until = time.monotonic() + 2.0
+                while True:
+                    httpx.post(server.url + "/v1/completions", timeout=TIMEOUT, json={
+                        "prompt": long_prompt, "max_tokens": 800, "ignore_eos": True, "cache_prompt": False})
+                    if time.monotonic() >= until:
+                        break
             finally:
                 done.set()
 
