@@ -107,15 +107,19 @@ def test_experts_write_unrounded_rank_rows(native):
 def test_combine_adds_rounded_products_in_rank_order(native):
     A, D = 8, 200
     rows = torch.randn(A, D, generator=torch.Generator().manual_seed(3))
+    reference = kernels.TorchKernels().combine  # each product rounded to fp32, then added in rank order
     for weights in (torch.rand(1, A, generator=torch.Generator().manual_seed(4)),
                     bf16(1, A, seed=5).abs()):
-        expected = torch.zeros(D)
-        for a in range(A):  # each product rounded to fp32, then added: llama.cpp's multiply and chain of adds
-            expected = expected + weights[0, a].float() * rows[a]
         for like in (torch.float32, torch.bfloat16):
-            y = native.combine(weights, rows, torch.empty(1, dtype=like))
+            x = torch.empty(1, dtype=like)
+            y = native.combine(weights, rows, x)
             assert y.shape == (1, D) and y.dtype == like
-            assert torch.equal(y[0], expected.to(like))
+            assert torch.equal(y, reference(weights, rows, x))
+        # and the reference is what it says: not a fused multiply-add, not another order
+        w = weights[0].float()
+        assert torch.equal(reference(weights, rows, rows)[0], ((w[0] * rows[0] + w[1] * rows[1]) + w[2] * rows[2]
+                                                                + w[3] * rows[3] + w[4] * rows[4] + w[5] * rows[5]
+                                                                + w[6] * rows[6] + w[7] * rows[7]))
     with pytest.raises(RuntimeError, match="weights: expected 8"):
         native.combine(torch.ones(1, 7), rows, rows)
 

@@ -89,9 +89,11 @@ def build_native(stem: str, source: Path, what: str, extra_flags: tuple[str, ...
     `portable=True` builds the loop that CPUs without the wide instructions get, on any CPU."""
     from torch.utils import cpp_extension
 
-    # The source is in the name too: two checkouts with different sources (a worktree beside
-    # the main one) then never build over, or load, each other's module.
-    tag = hashlib.sha1(_cpu_flags().encode() + source.read_bytes()).hexdigest()[:10]
+    # The source is in the name too, with the headers beside it that the modules share: two
+    # checkouts with different sources (a worktree beside the main one) then never build over,
+    # or load, each other's module.
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    tag = hashlib.sha1(_cpu_flags().encode() + source.read_bytes() + headers).hexdigest()[:10]
     name = f"expertcache_{stem}_{tag}" + ("_portable" if portable else "")
     flags = ["-O3", "-march=native", "-fopenmp", *extra_flags] + (["-DEXPERTCACHE_PORTABLE"] if portable else [])
     try:
@@ -466,8 +468,13 @@ class Kernels:
 
     def combine(self, weights: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """A decode step's MoE output from `experts_one_row`'s rows, [1, D] in x's dtype: the sum
-        over ranks of weights[0, a] * rows[a], in rank order, in fp32, rounded once."""
-        raise NotImplementedError
+        over ranks of weights[0, a] * rows[a], in rank order, in fp32, each product rounded before
+        it is added (llama.cpp's multiply, then its chain of adds), the sum rounded once."""
+        w = weights.reshape(-1).float()
+        y = torch.zeros_like(rows[0])
+        for a in range(rows.shape[0]):
+            y = y + w[a] * rows[a]
+        return y[None].to(x.dtype)
 
     def route(self, x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
               weights_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,8 @@
 #include <tuple>
 #include <vector>
 
+#include "rank_rows.h"
+
 // EXPERTCACHE_PORTABLE builds the portable loop on any CPU (the tests check both builds).
 #if defined(__AVX512BF16__) && !defined(EXPERTCACHE_PORTABLE)
 #define EXPERTCACHE_BF16_DOT 1
@@ -99,19 +101,6 @@ torch::Tensor gemv(const torch::Tensor& w, const torch::Tensor& x_in) {
     for (int64_t r = begin; r < end; ++r) Y[r] = bf16(dot(W + r * K, X, K));
   });
   return y;
-}
-
-// `out`'s data where a call writes its n experts' outputs into rows `rows` of out [A, D] (fp32):
-// nullptr without `out`.
-float* rank_rows(const c10::optional<torch::Tensor>& out, const std::vector<int64_t>& rows, int64_t n, int64_t D) {
-  if (!out.has_value()) return nullptr;
-  const torch::Tensor& o = *out;
-  TORCH_CHECK(o.device().is_cpu() && o.scalar_type() == torch::kFloat32 && o.dim() == 2 && o.is_contiguous() &&
-                  o.size(1) == D,
-              "out: expected a contiguous fp32 CPU tensor [A, ", D, "]");
-  TORCH_CHECK(static_cast<int64_t>(rows.size()) == n, "rows: expected one per expert (", n, "), got ", rows.size());
-  for (int64_t r : rows) TORCH_CHECK(r >= 0 && r < o.size(0), "rows: expected indices in [0, ", o.size(0), "), got ", r);
-  return o.data_ptr<float>();
 }
 
 // A decode step's MoE output from its experts' rows (`experts` with `out`): y [1, D] = sum over
@@ -307,8 +296,8 @@ torch::Tensor rms_norm_scaled(const torch::Tensor& x_in, const c10::optional<tor
 }
 
 // exp(x) for x <= 0 (softmax scores less their maximum), within about 2 ulp of the exact value,
-// 0 below -87: Cody-Waite reduction by ln 2 and Cephes' degree-5 polynomial, branch-free so that
-// a loop over it vectorises (std::exp does not: it sets errno).
+// 0 below -87: Cody-Waite reduction by ln 2 and Cephes' degree-5 polynomial, without libm. The
+// portable build's loop; the AVX2 build takes eight at a time (`exp8_nonpositive`).
 inline float exp_nonpositive(float x) {
   x = x < -87.f ? -87.f : x;
   // n = round(x / ln 2): adding and taking away 1.5 * 2^23 rounds to an integer (no branch, no libm)
@@ -334,7 +323,8 @@ inline __m256 widen8(const uint16_t* v) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// exp_nonpositive on eight lanes, the same steps.
+// exp_nonpositive's reduction and polynomial on eight lanes (with fused multiply-adds, so not
+// always the same last bit as the scalar form; a build only ever takes one of the two).
 inline __m256 exp8_nonpositive(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),

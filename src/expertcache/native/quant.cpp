@@ -30,6 +30,8 @@
 #include <string>
 #include <vector>
 
+#include "rank_rows.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(EXPERTCACHE_PORTABLE)
 #define EXPERTCACHE_AVX2 1
 #include <immintrin.h>
@@ -1626,13 +1628,7 @@ torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor
               downs.size());
   const Format fg = format_of(gate_type), fu = format_of(up_type), fd = format_of(down_type);
   const int64_t n = static_cast<int64_t>(gates.size()), D = x.size(0);
-  if (out.has_value()) {
-    TORCH_CHECK(out->device().is_cpu() && out->scalar_type() == torch::kFloat32 && out->dim() == 2 &&
-                    out->is_contiguous() && out->size(1) == D,
-                "out: expected a contiguous fp32 CPU tensor [A, ", D, "]");
-    TORCH_CHECK(static_cast<int64_t>(rows.size()) == n, "rows: expected one per expert (", n, "), got ", rows.size());
-    for (int64_t r : rows) TORCH_CHECK(r >= 0 && r < out->size(0), "rows: expected indices below ", out->size(0), ", got ", r);
-  }
+  rank_rows(out, rows, n, D);
   auto y = out.has_value() ? *out : torch::empty({n, D}, torch::kFloat32);
   if (n == 0) return out.has_value() ? y : finish(y, x_in, in_dtype);
   const int64_t I = gates[0].size(0);
