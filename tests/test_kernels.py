@@ -195,6 +195,52 @@ def test_attend_matches_reference_attention(native, H, G, Dh, cap, pos):
     torch.testing.assert_close(kc2[:, pos].double(), raw_rot, rtol=2 ** -7, atol=1e-3)
 
 
+# Gemma 4's form: a sliding layer's ring (the token's row mid-ring, some rows empty or out of the
+# window), and a full layer with k-eq-v; weights fp32 (a GGUF's) or bf16.
+@pytest.mark.parametrize("H,G,Dh,k_eq_v,wdtype,ring", [(4, 2, 16, False, torch.float32, True),
+                                                       (8, 1, 24, True, torch.bfloat16, False),
+                                                       (16, 2, 40, False, torch.bfloat16, True)])
+def test_attend_scaled_matches_reference_attention(native, H, G, Dh, k_eq_v, wdtype, ring):
+    from expertcache.models.sliding_attention import gemma_rms_norm
+
+    eps, cap, P, window = 1e-6, 12, 30, 10
+    qkv = bf16((H + (1 if k_eq_v else 2) * G) * Dh, seed=1)
+    q_norm, k_norm = bf16(Dh, seed=2, scale=0.5).to(wdtype), bf16(Dh, seed=3, scale=0.5).to(wdtype)
+    angle = torch.rand(Dh // 2, generator=torch.Generator().manual_seed(3)) * 6
+    cos = torch.cat((angle.cos(), angle.cos())).to(torch.bfloat16)
+    sin = torch.cat((-angle.sin(), angle.sin())).to(torch.bfloat16)
+    kc, vc = bf16(G, cap, Dh, seed=4), bf16(G, cap, Dh, seed=5)
+    if ring:  # position p in row p % cap: 19..30 in the ring, 25 emptied, 19 and 20 out of the window
+        slot, n = P % cap, cap
+        kpos = torch.tensor([P - (slot - r) % cap for r in range(cap)])
+        kpos[25 % cap] = -1
+        lo, live = P - window, (kpos >= 0) & (kpos > P - window)
+    else:
+        slot, n, kpos, lo = 7, 8, None, -1
+        live = torch.ones(n, dtype=torch.bool)
+    before_k, before_v = kc.clone(), vc.clone()
+    out = native.attend_scaled(qkv, q_norm, k_norm, eps, cos, sin, kc, vc, slot, n, kpos, lo, 1.0, H, G, k_eq_v)
+    others = torch.ones(cap, dtype=torch.bool)
+    others[slot] = False
+    assert torch.equal(kc[:, others], before_k[:, others]) and torch.equal(vc[:, others], before_v[:, others])
+    # q and k normalised and scaled once (each family's torch formula), then rotated; v normalised
+    # without a weight, from k's projection with k-eq-v.
+    q = gemma_rms_norm(qkv[:H * Dh].view(H, Dh), q_norm, eps).double()
+    k = gemma_rms_norm(qkv[H * Dh:(H + G) * Dh].view(G, Dh), k_norm, eps).double()
+    v_in = qkv[H * Dh:(H + G) * Dh] if k_eq_v else qkv[(H + G) * Dh:]
+    assert torch.equal(vc[:, slot], gemma_rms_norm(v_in.view(G, Dh), None, eps))
+    rot = lambda x: x * cos.double() + torch.cat((x[:, Dh // 2:], x[:, :Dh // 2]), dim=1) * sin.double()
+    torch.testing.assert_close(kc[:, slot].double(), rot(k), rtol=2 ** -7, atol=1e-3)
+    qr = rot(q).view(G, H // G, Dh)
+    scores = torch.einsum("grd,gtd->grt", qr, kc[:, :n].double()).masked_fill(~live, float("-inf"))
+    expected = torch.einsum("grt,gtd->grd", scores.softmax(-1), vc[:, :n].double()).reshape(H * Dh)
+    torch.testing.assert_close(out.double(), expected, rtol=2 ** -6, atol=2e-2)
+    if ring:  # a masked row's key and value play no part, whatever they hold
+        kc[:, ~live], vc[:, ~live] = 50.0, -50.0
+        again = native.attend_scaled(qkv, q_norm, k_norm, eps, cos, sin, kc, vc, slot, n, kpos, lo, 1.0, H, G, k_eq_v)
+        assert torch.equal(again, out)
+
+
 @pytest.mark.parametrize("shape,weight", [((1, 2816), torch.bfloat16), ((1, 16, 256), torch.float32),
                                           ((1, 8, 100), None), ((1, 4, 96), torch.bfloat16)])
 def test_scaled_rms_norm_matches_each_familys_torch_formula(native, shape, weight):
@@ -226,9 +272,19 @@ def test_bad_arguments_are_errors_not_crashes(native):
     with pytest.raises(RuntimeError, match="bf16"):
         native.gemv(torch.ones(4, 8), torch.ones(8))
     kc = bf16(2, 4, 16, seed=0)
-    with pytest.raises(RuntimeError, match="position 4 is outside the cache of 4"):
+    with pytest.raises(RuntimeError, match="row 4 is outside the cache of 4 rows"):
         native.attend(bf16(8 * 16, seed=1), torch.empty(0, dtype=torch.bfloat16), 1e-6, bf16(16, seed=2),
                       bf16(16, seed=3), kc, kc.clone(), 4, 0.25, 4, 2)
+    norm, rot = bf16(16, seed=4), bf16(16, seed=5)
+    with pytest.raises(RuntimeError, match="row 3 is not among the 3 rows attended over"):
+        native.attend_scaled(bf16(8 * 16, seed=1), norm, norm, 1e-6, rot, rot, kc, kc.clone(), 3, 3, None, -1,
+                             1.0, 4, 2, False)
+    with pytest.raises(RuntimeError, match="kpos: expected a contiguous int64 CPU tensor of at least 4 positions"):
+        native.attend_scaled(bf16(8 * 16, seed=1), norm, norm, 1e-6, rot, rot, kc, kc.clone(), 0, 4,
+                             torch.arange(3), -1, 1.0, 4, 2, False)
+    with pytest.raises(RuntimeError, match="shapes do not match"):  # k-eq-v takes no v rows
+        native.attend_scaled(bf16(8 * 16, seed=1), norm, norm, 1e-6, rot, rot, kc, kc.clone(), 0, 1, None, -1,
+                             1.0, 4, 2, True)
 
 
 @pytest.fixture(scope="module")

@@ -169,16 +169,17 @@ def gemma4_bf16(tmp_path_factory):
     return ref, save_checkpoint(ref, tmp_path_factory.mktemp("g4-geglu") / "ckpt", fused=True, dtype=torch.bfloat16)
 
 
-def test_gemma4_bf16_decode_takes_the_native_geglu_call_in_every_cache_mode(gemma4_bf16, monkeypatch):
+def test_gemma4_bf16_decode_takes_the_native_calls_in_every_cache_mode(gemma4_bf16, monkeypatch):
     from test_parity import ids_of
 
     _, d = gemma4_bf16
     ids = ids_of(40, seed=4).tolist()
     model = expertcache.load(d, dtype="bfloat16", kernels="native", cache=CacheConfig(mode="resident"))
-    counting = CountingModule(model.kernels.native, "experts")
+    counting = CountingModule(model.kernels.native, "experts", "attend_scaled")
     monkeypatch.setattr(model.kernels, "native", counting)
     want = decode(model, ids, 24)
-    assert counting.calls["experts"] >= 16  # every decode step's MoE layers
+    # every decode step's MoE layers, and its attention (sliding past the window, and full)
+    assert counting.calls == {"experts": 16 * 5, "attend_scaled": 16 * 5}, counting.calls
     for cache in CACHES:
         got = expertcache.load(d, dtype="bfloat16", kernels="native", cache=cache)
         assert torch.equal(decode(got, ids, 24), want), cache
@@ -188,7 +189,9 @@ def test_gemma4_bf16_decode_takes_the_native_geglu_call_in_every_cache_mode(gemm
 def test_gemma4_bf16_native_decode_is_as_close_to_the_reference_as_torchs(gemma4_bf16):
     """Decode against transformers in fp32 on the same weights: the native kernels' error is of the
     size of torch's bf16 kernels' (median over positions of each position's largest error, as
-    test_kernels does: a near tie in routing can move one position), and the two stay close."""
+    test_kernels does: a near tie in routing can move one position), and the two are closer to
+    each other than torch's is to the reference (their roundings differ: attention, for one, is a
+    single native call that rounds once where torch rounds after each op)."""
     from test_parity import ids_of
 
     ref, d = gemma4_bf16
@@ -201,9 +204,8 @@ def test_gemma4_bf16_native_decode_is_as_close_to_the_reference_as_torchs(gemma4
         logits[choice] = decode(model, ids.tolist(), 8)[8:].float()
         errors[choice] = (logits[choice] - exact).abs().amax(-1).median().item()
     assert errors["native"] <= 1.5 * errors["torch"] + 1e-2, errors
-    scale = logits["torch"].abs().max()
-    gap = (logits["native"] - logits["torch"]).abs().amax(-1).median()
-    assert gap <= 0.05 * scale, (gap, scale)
+    gap = (logits["native"] - logits["torch"]).abs().amax(-1).median().item()
+    assert gap <= errors["torch"], (gap, errors)
 
 
 def test_gemma4_q8_0_gguf_decodes_through_the_quantized_geglu_call(monkeypatch):

@@ -107,6 +107,13 @@ class KVCache:
         keys, values = self.append(layer, k, v)
         return keys, values, torch.arange(keys.shape[1], device=k.device)
 
+    def decode_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None]:
+        """For a native decode step: the layer's key and value buffers [G, capacity, Dh], the row
+        this token's key and value go to, how many rows from the first it attends over, and the
+        rows' positions (None: rows 0 .. n-1 hold positions 0 .. n-1)."""
+        self.reserve(self.length + 1)
+        return self.k[layer], self.v[layer], self.length, self.length + 1, None
+
     def begin(self, n: int) -> None:
         """A forward of n tokens starts (a hook for state that is not truncatable)."""
 

@@ -136,6 +136,15 @@ def sliding_attention(kern: Kernels, mixer: SlidingAttention, w: SlidingAttentio
     P = kv.length
     cos, sin = mixer.rotary(P, T, x.device, x.dtype)                          # [T, Dh]
     proj = kern.linear(x, w.qkv)
+    if kern.native is not None and T == 1:
+        # Everything between the two projections in one call (native/decode.cpp): the norms, the
+        # rotary, the key and value into the cache (a sliding layer's ring) and attention over it,
+        # masked by position as below.
+        keys, values, slot, n, kpos = kv.decode_rows(layer)
+        lo = P - cfg.window if cfg.window is not None else -1
+        out = kern.native.attend_scaled(proj, w.q_norm, w.k_norm, eps, cos, sin, keys, values, slot, n,
+                                        kpos, lo, 1.0, H, G, cfg.k_eq_v)    # [1, H*Dh]
+        return kern.rms_norm_scaled(kern.linear(out, w.o), w.post_norm, eps, reference=gemma_rms_norm)
     if cfg.k_eq_v:
         q, k = proj.split([H * Dh, G * Dh], dim=-1)
         v = k

@@ -107,6 +107,17 @@ class WindowKVCache(SnapshotSchedule, KVCache):
         r.pos.index_copy_(0, slots, new_pos[T - m:])
         return keys, values, positions
 
+    def decode_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None]:
+        """As `KVCache.decode_rows`; a sliding layer's token goes to its ring slot (as
+        `append_window` places it), and the ring's positions come with it."""
+        if layer not in self.rings:
+            return super().decode_rows(layer)
+        r, P = self.rings[layer], self.length
+        slot = P % r.pos.shape[0]
+        self._pending = True
+        r.pos[slot] = P
+        return r.k, r.v, slot, min(r.pos.shape[0], P + 1), r.pos
+
     def _held(self) -> dict[int, Ring]:
         return self.rings
 

@@ -264,6 +264,30 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w, double
   return y;
 }
 
+// A float32 or bfloat16 vector's element i as fp32 (the weights of a DeltaNet layer come in
+// either, by checkpoint).
+struct Floats {
+  const float* f = nullptr;
+  const uint16_t* b = nullptr;
+  explicit Floats(const torch::Tensor& t, const char* what) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() &&
+                    (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16),
+                what, ": expected a contiguous float32 or bfloat16 CPU tensor");
+    if (t.scalar_type() == torch::kFloat32) f = t.data_ptr<float>();
+    else b = bits(t);
+  }
+  float operator[](int64_t i) const { return f ? f[i] : widen(b[i]); }
+};
+
+// Row x [C] scaled to unit root-mean-square, in fp32, by w where there is one, rounded once.
+inline void scaled_row(const uint16_t* x, const Floats* w, int64_t C, double eps, uint16_t* y) {
+  const float inv = inv_rms(x, C, eps);
+  for (int64_t c = 0; c < C; ++c) {
+    const float v = widen(x[c]) * inv;
+    y[c] = bf16(w ? v * (*w)[c] : v).x;
+  }
+}
+
 // RMSNorm normalised and scaled in fp32, rounded once (Gemma 4's norms, and Qwen3.5's with 1 + w
 // in the weight): y = bf16(x * inv * w), w fp32 or bf16 [C], or without a weight bf16(x * inv).
 // torch takes about eight ops for this; a decode step of those families runs dozens of them.
@@ -275,23 +299,12 @@ torch::Tensor rms_norm_scaled(const torch::Tensor& x_in, const c10::optional<tor
   check_rows(x, "x");
   const int64_t C = x.size(-1), R = C ? x.numel() / C : 0;
   const bool has_w = w.has_value() && w->defined();
-  if (has_w)
-    TORCH_CHECK(w->device().is_cpu() && w->is_contiguous() && w->dim() == 1 && w->size(0) == C &&
-                    (w->scalar_type() == torch::kFloat32 || w->scalar_type() == torch::kBFloat16),
-                "weight: expected a contiguous float32 or bfloat16 CPU tensor [", C, "]");
-  const float* wf = has_w && w->scalar_type() == torch::kFloat32 ? w->data_ptr<float>() : nullptr;
-  const uint16_t* wb = has_w && !wf ? bits(*w) : nullptr;
+  if (has_w) TORCH_CHECK(w->dim() == 1 && w->size(0) == C, "weight: expected [", C, "]");
+  const c10::optional<Floats> weight = has_w ? c10::make_optional(Floats(*w, "weight")) : c10::nullopt;
   auto y = torch::empty_like(x);
   const uint16_t* X = bits(x);
   uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<bf16>());
-  for (int64_t i = 0; i < R; ++i) {
-    const uint16_t* xi = X + i * C;
-    const float inv = inv_rms(xi, C, eps);
-    for (int64_t c = 0; c < C; ++c) {
-      const float v = widen(xi[c]) * inv;
-      Y[i * C + c] = bf16(wf ? v * wf[c] : wb ? v * widen(wb[c]) : v).x;
-    }
-  }
+  for (int64_t i = 0; i < R; ++i) scaled_row(X + i * C, weight ? &*weight : nullptr, C, eps, Y + i * C);
   return y;
 }
 
@@ -351,11 +364,18 @@ inline float sum8(__m256 v) {
 // a multiple of 8] scratch.
 // Each key or value row is widened once for all NH heads, whose sums are independent lanes kept
 // in registers (NH x 8 fp32): several times fewer loads than one head at a time.
+// With kpos, a row t whose position kpos[t] is negative (empty) or at most lo (out of a sliding
+// window) takes no part: its weight is exactly 0.
 template <int NH>
 void attend_heads(const float* q, const uint16_t* K, const uint16_t* V, int64_t P, int64_t Dh, float scale,
-                  float* p, float* out) {
+                  const int64_t* kpos, int64_t lo, float* p, float* out) {
   const int64_t D8 = Dh - Dh % 8, P8 = (P + 7) / 8 * 8;
+  const auto masked = [&](int64_t t) { return kpos && (kpos[t] < 0 || kpos[t] <= lo); };
   for (int64_t t = 0; t < P; ++t) {
+    if (masked(t)) {
+      for (int j = 0; j < NH; ++j) p[j * P8 + t] = -INFINITY;
+      continue;
+    }
     const uint16_t* kt = K + t * Dh;
     float sums[NH];
 #if defined(EXPERTCACHE_AVX2_ATTEND)
@@ -397,6 +417,8 @@ void attend_heads(const float* q, const uint16_t* K, const uint16_t* V, int64_t 
 #else
     for (int64_t t = 0; t < P; ++t) pj[t] = exp_nonpositive(pj[t] - top);
 #endif
+    if (kpos)  // the exp's clamp leaves a masked row a tiny weight, not 0
+      for (int64_t t = 0; t < P; ++t) pj[t] = masked(t) ? 0.f : pj[t];
     float total = 0.f;
     for (int64_t t = 0; t < P; ++t) total += pj[t];
     const float inv = 1.f / total;
@@ -436,6 +458,60 @@ void attend_heads(const float* q, const uint16_t* K, const uint16_t* V, int64_t 
   }
 }
 
+// Attention over a layer's cache for one token's H query heads (qf [H, Dh], fp32): rows 0 .. n-1
+// of kc, vc [G, capacity, Dh], masked by kpos/lo as `attend_heads` says (kpos null: none);
+// returns [1, H * Dh] (bf16) like `like`, or [H * Dh] for a one-dim `like`.
+torch::Tensor attend_cache(const std::vector<float>& qf, const torch::Tensor& kc, const torch::Tensor& vc, int64_t n,
+                           const int64_t* kpos, int64_t lo, double scale, int64_t H, int64_t G,
+                           const torch::Tensor& like) {
+  const int64_t Dh = kc.size(2), cap = kc.size(1), R = H / G;
+  const uint16_t* K = bits(kc);
+  const uint16_t* V = bits(vc);
+  auto y = like.dim() == 2 ? torch::empty({1, H * Dh}, like.options()) : torch::empty({H * Dh}, like.options());
+  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<bf16>());
+  // The R query heads of a key/value group in blocks of up to 8 (`attend_heads`), one block per
+  // task: each key and value row is read once per block rather than once per head.
+  const int64_t HB = std::min<int64_t>(R, 8), blocks = (R + HB - 1) / HB;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(HB * ((n + 7) / 8 * 8)), acc(HB * Dh);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t g = u / blocks, h0 = g * R + (u % blocks) * HB, nh = std::min(HB, g * R + R - h0);
+      const uint16_t *Kg = K + g * cap * Dh, *Vg = V + g * cap * Dh;
+      for (int64_t j = 0; j < nh;) {  // in blocks of 8, 4, 2 and 1 heads
+        const int64_t m = nh - j >= 8 ? 8 : nh - j >= 4 ? 4 : nh - j >= 2 ? 2 : 1;
+        const float* qj = qf.data() + (h0 + j) * Dh;
+        float *pj = p.data(), *aj = acc.data();
+        if (m == 8) attend_heads<8>(qj, Kg, Vg, n, Dh, sc, kpos, lo, pj, aj);
+        else if (m == 4) attend_heads<4>(qj, Kg, Vg, n, Dh, sc, kpos, lo, pj, aj);
+        else if (m == 2) attend_heads<2>(qj, Kg, Vg, n, Dh, sc, kpos, lo, pj, aj);
+        else attend_heads<1>(qj, Kg, Vg, n, Dh, sc, kpos, lo, pj, aj);
+        for (int64_t i = 0; i < m * Dh; ++i) Y[(h0 + j) * Dh + i] = bf16(aj[i]).x;
+        j += m;
+      }
+    }
+  });
+  return y;
+}
+
+// Row x [Dh] rotated by this position's tables (the sign of rotate-half folded into S), in fp32
+// and rounded once.
+inline void rotate_row(const uint16_t* x, const uint16_t* C, const uint16_t* S, int64_t Dh, uint16_t* out) {
+  const int64_t half = Dh / 2;
+  for (int64_t d = 0; d < Dh; ++d) {
+    const float rot = widen(x[d < half ? d + half : d - half]);
+    out[d] = bf16(widen(x[d]) * widen(C[d]) + rot * widen(S[d])).x;
+  }
+}
+
+void check_kv_cache(const torch::Tensor& kc, const torch::Tensor& vc, int64_t G, int64_t slot, int64_t n) {
+  check_rows(kc, "key cache");
+  check_rows(vc, "value cache");
+  TORCH_CHECK(kc.dim() == 3 && vc.sizes() == kc.sizes() && kc.size(0) == G, "kv cache: expected [G, capacity, Dh]");
+  TORCH_CHECK(slot >= 0 && slot < n, "attention: row ", slot, " is not among the ", n, " rows attended over");
+  TORCH_CHECK(n <= kc.size(1), "attention: row ", n - 1, " is outside the cache of ", kc.size(1), " rows");
+}
+
 // Decode attention for one token, from the q/k/v projection's output to the heads' outputs:
 //   qkv [(H + 2G) * Dh]: q for H heads, k and v for G key/value heads;
 //   qk_norm [H + G, Dh] (one weight row per head) or empty: RMSNorm of q and k first;
@@ -445,12 +521,12 @@ void attend_heads(const float* q, const uint16_t* K, const uint16_t* V, int64_t 
 torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& qk_norm, double eps, const torch::Tensor& cos,
                      const torch::Tensor& sin, const torch::Tensor& kc, const torch::Tensor& vc, int64_t pos, double scale,
                      int64_t H, int64_t G) {
-  for (const torch::Tensor* t : {&qkv, &cos, &sin, &kc, &vc}) check_rows(*t, "attention input");
-  TORCH_CHECK(kc.dim() == 3 && vc.sizes() == kc.sizes() && kc.size(0) == G, "kv cache: expected [G, capacity, Dh]");
-  const int64_t Dh = kc.size(2), cap = kc.size(1), half = Dh / 2, R = H / G, P = pos + 1;
+  for (const torch::Tensor* t : {&qkv, &cos, &sin}) check_rows(*t, "attention input");
+  TORCH_CHECK(pos >= 0, "attention: position ", pos, " is negative");
+  check_kv_cache(kc, vc, G, pos, pos + 1);
+  const int64_t Dh = kc.size(2), cap = kc.size(1);
   TORCH_CHECK(H % G == 0 && Dh % 2 == 0 && qkv.numel() == (H + 2 * G) * Dh && cos.numel() == Dh && sin.numel() == Dh,
               "attention: shapes do not match H=", H, " G=", G, " Dh=", Dh);
-  TORCH_CHECK(pos >= 0 && pos < cap, "attention: position ", pos, " is outside the cache of ", cap);
   const bool norm = qk_norm.numel() > 0;
   if (norm) {
     check_rows(qk_norm, "qk_norm");
@@ -465,60 +541,59 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& qk_norm, dou
   std::vector<uint16_t> q(H * Dh);
   uint16_t* K = reinterpret_cast<uint16_t*>(kc.data_ptr<bf16>());
   uint16_t* V = reinterpret_cast<uint16_t*>(vc.data_ptr<bf16>());
-  for (int64_t r = 0; r < H + G; ++r) {
-    const uint16_t* x = qk.data() + r * Dh;
-    uint16_t* out = r < H ? q.data() + r * Dh : K + ((r - H) * cap + pos) * Dh;
-    for (int64_t d = 0; d < Dh; ++d) {
-      const float rot = widen(x[d < half ? d + half : d - half]);
-      out[d] = bf16(widen(x[d]) * widen(C[d]) + rot * widen(S[d])).x;
-    }
-  }
+  for (int64_t r = 0; r < H + G; ++r)
+    rotate_row(qk.data() + r * Dh, C, S, Dh, r < H ? q.data() + r * Dh : K + ((r - H) * cap + pos) * Dh);
   for (int64_t g = 0; g < G; ++g)
     std::memcpy(V + (g * cap + pos) * Dh, in + (H + G + g) * Dh, Dh * sizeof(uint16_t));
-  // [1, H * Dh] for qkv [1, *] (the projection's row as it comes): the o projection's input.
-  auto y = qkv.dim() == 2 ? torch::empty({1, H * Dh}, qkv.options()) : torch::empty({H * Dh}, qkv.options());
-  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<bf16>());
-  // The R query heads of a key/value group in blocks of up to 8 (`attend_heads`), one block per
-  // task: each key and value row is read once per block rather than once per head.
-  const int64_t HB = std::min<int64_t>(R, 8), blocks = (R + HB - 1) / HB;
   std::vector<float> qf(H * Dh);
   for (int64_t i = 0; i < H * Dh; ++i) qf[i] = widen(q[i]);
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(HB * ((P + 7) / 8 * 8)), acc(HB * Dh);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t g = u / blocks, h0 = g * R + (u % blocks) * HB, nh = std::min(HB, g * R + R - h0);
-      const uint16_t *Kg = K + g * cap * Dh, *Vg = V + g * cap * Dh;
-      for (int64_t j = 0; j < nh;) {  // in blocks of 8, 4, 2 and 1 heads
-        const int64_t n = nh - j >= 8 ? 8 : nh - j >= 4 ? 4 : nh - j >= 2 ? 2 : 1;
-        const float* qj = qf.data() + (h0 + j) * Dh;
-        float *pj = p.data(), *aj = acc.data();
-        if (n == 8) attend_heads<8>(qj, Kg, Vg, P, Dh, sc, pj, aj);
-        else if (n == 4) attend_heads<4>(qj, Kg, Vg, P, Dh, sc, pj, aj);
-        else if (n == 2) attend_heads<2>(qj, Kg, Vg, P, Dh, sc, pj, aj);
-        else attend_heads<1>(qj, Kg, Vg, P, Dh, sc, pj, aj);
-        for (int64_t i = 0; i < n * Dh; ++i) Y[(h0 + j) * Dh + i] = bf16(aj[i]).x;
-        j += n;
-      }
-    }
-  });
-  return y;
+  return attend_cache(qf, kc, vc, pos + 1, nullptr, 0, scale, H, G, qkv);
 }
 
-// A float32 or bfloat16 vector's element i as fp32 (the weights of a DeltaNet layer come in
-// either, by checkpoint).
-struct Floats {
-  const float* f = nullptr;
-  const uint16_t* b = nullptr;
-  explicit Floats(const torch::Tensor& t, const char* what) {
-    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() &&
-                    (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16),
-                what, ": expected a contiguous float32 or bfloat16 CPU tensor");
-    if (t.scalar_type() == torch::kFloat32) f = t.data_ptr<float>();
-    else b = bits(t);
+// Gemma 4's decode attention (models/sliding_attention.py), from the projection's output to the
+// heads' outputs, in one call where torch takes about thirty:
+//   qkv [(H + 2G) * Dh], or [(H + G) * Dh] with k_eq_v (v is then k as projected);
+//   q_norm, k_norm [Dh]: per-head RMSNorms scaled once (`scaled_row`); v's has no weight;
+//   cos, sin [Dh]: this position's rotary tables, the sign of rotate-half folded into sin;
+//   kc, vc [G, capacity, Dh]: the layer's keys and values (a sliding layer's ring); this token's
+//   go to row `slot`, and attention runs over rows 0 .. n-1;
+//   kpos (optional, int64 [>= n]): each row's position, masked as `attend_heads` says.
+torch::Tensor attend_scaled(const torch::Tensor& qkv, const torch::Tensor& q_norm, const torch::Tensor& k_norm,
+                            double eps, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& kc,
+                            const torch::Tensor& vc, int64_t slot, int64_t n, const c10::optional<torch::Tensor>& kpos,
+                            int64_t lo, double scale, int64_t H, int64_t G, bool k_eq_v) {
+  for (const torch::Tensor* t : {&qkv, &cos, &sin}) check_rows(*t, "attention input");
+  check_kv_cache(kc, vc, G, slot, n);
+  const int64_t Dh = kc.size(2), cap = kc.size(1);
+  TORCH_CHECK(H % G == 0 && Dh % 2 == 0 && qkv.numel() == (H + (k_eq_v ? 1 : 2) * G) * Dh && cos.numel() == Dh &&
+                  sin.numel() == Dh && q_norm.numel() == Dh && k_norm.numel() == Dh,
+              "attention: shapes do not match H=", H, " G=", G, " Dh=", Dh);
+  const int64_t* P = nullptr;
+  if (kpos.has_value() && kpos->defined()) {
+    TORCH_CHECK(kpos->device().is_cpu() && kpos->scalar_type() == torch::kInt64 && kpos->is_contiguous() &&
+                    kpos->numel() >= n, "kpos: expected a contiguous int64 CPU tensor of at least ", n, " positions");
+    P = kpos->data_ptr<int64_t>();
   }
-  float operator[](int64_t i) const { return f ? f[i] : widen(b[i]); }
-};
+  const Floats qw(q_norm, "q_norm"), kw(k_norm, "k_norm");
+  const uint16_t *in = bits(qkv), *C = bits(cos), *S = bits(sin);
+  uint16_t* K = reinterpret_cast<uint16_t*>(kc.data_ptr<bf16>());
+  uint16_t* V = reinterpret_cast<uint16_t*>(vc.data_ptr<bf16>());
+  std::vector<uint16_t> normed(Dh), q(Dh);
+  std::vector<float> qf(H * Dh);
+  for (int64_t r = 0; r < H + G; ++r) {
+    const uint16_t* x = in + r * Dh;
+    scaled_row(x, r < H ? &qw : &kw, Dh, eps, normed.data());
+    if (r < H) {
+      rotate_row(normed.data(), C, S, Dh, q.data());
+      for (int64_t d = 0; d < Dh; ++d) qf[r * Dh + d] = widen(q[d]);
+    } else {
+      const int64_t g = r - H;
+      rotate_row(normed.data(), C, S, Dh, K + (g * cap + slot) * Dh);
+      scaled_row(k_eq_v ? x : in + (H + G + g) * Dh, nullptr, Dh, eps, V + (g * cap + slot) * Dh);
+    }
+  }
+  return attend_cache(qf, kc, vc, n, P, lo, scale, H, G, qkv);
+}
 
 inline float round_bf16(float v) { return widen(bf16(v).x); }
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
@@ -638,6 +713,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("attend", &attend, "decode attention for one token: q/k norm, rotary, kv append, softmax(qk)v",
         py::call_guard<py::gil_scoped_release>());
+  m.def("attend_scaled", &attend_scaled, "Gemma 4's decode attention for one token: q/k/v norms scaled once, "
+        "rotary, the key and value into a cache row, softmax(qk)v over the rows, masked by position",
+        py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("cos"), py::arg("sin"),
+        py::arg("kc"), py::arg("vc"), py::arg("slot"), py::arg("n"), py::arg("kpos"), py::arg("lo"), py::arg("scale"),
+        py::arg("H"), py::arg("G"), py::arg("k_eq_v"), py::call_guard<py::gil_scoped_release>());
   m.def("deltanet_step", &deltanet_step, "one Gated DeltaNet decode step: conv, normalised q/k, state update, gated norm",
         py::call_guard<py::gil_scoped_release>());
 }
