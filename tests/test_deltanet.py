@@ -20,6 +20,7 @@ from expertcache.models.gated_attention import (GatedAttentionConfig, GatedAtten
                                                 rms_norm_fp32, unit_offset)
 from expertcache.models.layers import KVCache, Rotary
 import transformers as tf
+from conftest import CountingModule
 from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as ref
 
@@ -217,7 +218,7 @@ def ref_attention(c, mod, pieces):
     return torch.cat(out)
 
 
-def ours_attention(c, mod, pieces):
+def ours_attention(c, mod, pieces, kern=KERN, dtype=torch.float32):
     cfg = GatedAttentionConfig.from_hf(c.to_dict())
     p = {n: t.detach() for n, t in mod.named_parameters()}
     bias = p.get("q_proj.bias")
@@ -226,14 +227,14 @@ def ours_attention(c, mod, pieces):
         unit_offset(p["q_norm.weight"]), unit_offset(p["k_norm.weight"]),
         None if bias is None else torch.cat((bias, p["k_proj.bias"], p["v_proj.bias"])), p.get("o_proj.bias"))
     kv = KVCache(SimpleNamespace(num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, num_layers=4), 1024, "cpu",
-                 torch.float32)
+                 dtype)
     rotary = Rotary(SimpleNamespace(rope=RopeConfig.from_hf(c.to_dict(), 1024), head_dim=cfg.rotary_dim), "cpu",
-                    torch.float32)
+                    dtype)
     out = []
     with torch.no_grad():
         for x in pieces:
             cos, sin = rotary(kv.length, x.shape[0])
-            out.append(gated_attention(KERN, cfg, w, x, FULL, kv, cos, sin))
+            out.append(gated_attention(kern, cfg, w, x, FULL, kv, cos, sin))
             kv.advance(x.shape[0])
     return torch.cat(out)
 
@@ -259,6 +260,26 @@ def test_gated_attention_pieces_then_decode_equals_one_forward(opts):
     expected = ref_attention(c, mod, [x])
     pieces = [x[:100], x[100:200], x[200:300]] + [x[i:i + 1] for i in range(300, 310)]
     close(ours_attention(c, mod, pieces), expected)
+
+
+@pytest.mark.parametrize("opts", ATTN)
+def test_native_gated_attention_step_matches_the_torch_step(opts):
+    """A bf16 decode step in one native call (norms, partial rotary, cache append, attention and the
+    gate) against the torch path it replaces, over 10 steps after a 70-token prefill (which both
+    run in torch): within one bf16 step of the outputs' range."""
+    from expertcache import kernels
+
+    c, mod = make_attention(seed=2, **opts)
+    mod = mod.to(torch.bfloat16)
+    x = torch.randn(80, D, generator=torch.Generator().manual_seed(4)).bfloat16()
+    pieces = [x[:70]] + [x[i:i + 1] for i in range(70, 80)]
+    counting = CountingModule(kernels.load_native(), "attend_gated")
+    want = ours_attention(c, mod, pieces, KERN, torch.bfloat16)
+    got = ours_attention(c, mod, pieces, _StepOnly(counting), torch.bfloat16)
+    assert counting.calls["attend_gated"] == 10
+    assert torch.equal(got[:70], want[:70])
+    torch.testing.assert_close(got[70:].float(), want[70:].float(), rtol=2 ** -7,
+                               atol=2 ** -8 * want[70:].float().abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -241,6 +241,43 @@ def test_attend_scaled_matches_reference_attention(native, H, G, Dh, k_eq_v, wdt
         assert torch.equal(again, out)
 
 
+# Qwen3.5's form: per head [query | gate] rows, q/k norms of 1 + w, a rotary over the first R dims.
+@pytest.mark.parametrize("H,G,Dh,R,wdtype", [(4, 2, 16, 4, torch.float32), (16, 2, 40, 10, torch.bfloat16),
+                                             (3, 1, 8, 8, torch.float32)])
+def test_attend_gated_matches_reference_attention(native, H, G, Dh, R, wdtype):
+    from expertcache.models.gated_attention import rms_norm_fp32
+
+    eps, cap, slot = 1e-6, 12, 9
+    qkv = bf16(2 * (H + G) * Dh, seed=1)
+    q_norm, k_norm = (1 + bf16(Dh, seed=2, scale=0.5).float()).to(wdtype), (1 + bf16(Dh, seed=3).float()).to(wdtype)
+    angle = torch.rand(R // 2, generator=torch.Generator().manual_seed(3)) * 6
+    cos = torch.cat((angle.cos(), angle.cos())).to(torch.bfloat16)
+    sin = torch.cat((-angle.sin(), angle.sin())).to(torch.bfloat16)
+    kc, vc = bf16(G, cap, Dh, seed=4), bf16(G, cap, Dh, seed=5)
+    before_k, before_v = kc.clone(), vc.clone()
+    out = native.attend_gated(qkv, q_norm, k_norm, eps, cos, sin, kc, vc, slot, slot + 1, Dh ** -0.5, H, G)
+    others = torch.ones(cap, dtype=torch.bool)
+    others[slot] = False
+    assert torch.equal(kc[:, others], before_k[:, others]) and torch.equal(vc[:, others], before_v[:, others])
+    qg = qkv[:2 * H * Dh].view(H, 2, Dh)
+    k_in, v_in = qkv[2 * H * Dh:].view(2, G, Dh)
+    assert torch.equal(vc[:, slot], v_in)
+
+    def rot(x):  # the first R dims rotated, the rest as they are
+        r = x[:, :R]
+        return torch.cat((r * cos.double() + torch.cat((r[:, R // 2:], r[:, :R // 2]), dim=1) * sin.double(),
+                          x[:, R:]), dim=1)
+
+    k = rms_norm_fp32(k_in, k_norm.float(), eps)
+    assert torch.equal(kc[:, slot, R:], k[:, R:])
+    torch.testing.assert_close(kc[:, slot].double(), rot(k.double()), rtol=2 ** -7, atol=1e-3)
+    q = rot(rms_norm_fp32(qg[:, 0], q_norm.float(), eps).double()).view(G, H // G, Dh)
+    scores = torch.einsum("grd,gtd->grt", q, kc[:, :slot + 1].double()) * Dh ** -0.5
+    attn = torch.einsum("grt,gtd->grd", scores.softmax(-1), vc[:, :slot + 1].double()).reshape(H, Dh)
+    expected = (attn * torch.sigmoid(qg[:, 1].double())).reshape(H * Dh)
+    torch.testing.assert_close(out.double(), expected, rtol=2 ** -6, atol=2e-2)
+
+
 @pytest.mark.parametrize("shape,weight", [((1, 2816), torch.bfloat16), ((1, 16, 256), torch.float32),
                                           ((1, 8, 100), None), ((1, 4, 96), torch.bfloat16)])
 def test_scaled_rms_norm_matches_each_familys_torch_formula(native, shape, weight):

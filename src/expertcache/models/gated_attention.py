@@ -82,7 +82,15 @@ def gated_attention(kern: Kernels, cfg: GatedAttentionConfig, w: GatedAttentionW
     T = x.shape[0]
     linear = kern.linear
     H, G, Dh, R = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.rotary_dim
-    qg, k, v = linear(x, w.qkv, w.qkv_bias).split([2 * H * Dh, G * Dh, G * Dh], dim=-1)
+    proj = linear(x, w.qkv, w.qkv_bias)
+    if kern.native is not None and T == 1:
+        # Everything between the two projections in one call (native/decode.cpp): the norms, the
+        # partial rotary, the key and value into the cache, attention over it and the gate.
+        keys, values, slot, n, _ = kv.decode_rows(layer)
+        out = kern.native.attend_gated(proj, w.q_norm, w.k_norm, cfg.eps, cos, sin, keys, values, slot, n,
+                                       Dh ** -0.5, H, G)                      # [1, H*Dh]
+        return linear(out, w.o, w.o_bias)                                     # [1, D]
+    qg, k, v = proj.split([2 * H * Dh, G * Dh, G * Dh], dim=-1)
     qg = qg.view(T, H, 2, Dh)
     gate = qg[:, :, 1].reshape(T, H * Dh)                             # [T, H*Dh]
     q = kern.rms_norm_scaled(qg[:, :, 0], w.q_norm, cfg.eps, rms_norm_fp32).transpose(0, 1)  # [H, T, Dh]

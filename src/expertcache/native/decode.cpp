@@ -280,12 +280,15 @@ struct Floats {
 };
 
 // Row x [C] scaled to unit root-mean-square, in fp32, by w where there is one, rounded once.
+// One loop per kind of weight: a choice per element keeps the compiler from vectorising it.
 inline void scaled_row(const uint16_t* x, const Floats* w, int64_t C, double eps, uint16_t* y) {
   const float inv = inv_rms(x, C, eps);
-  for (int64_t c = 0; c < C; ++c) {
-    const float v = widen(x[c]) * inv;
-    y[c] = bf16(w ? v * (*w)[c] : v).x;
-  }
+  if (w && w->f)
+    for (int64_t c = 0; c < C; ++c) y[c] = bf16(widen(x[c]) * inv * w->f[c]).x;
+  else if (w)
+    for (int64_t c = 0; c < C; ++c) y[c] = bf16(widen(x[c]) * inv * widen(w->b[c])).x;
+  else
+    for (int64_t c = 0; c < C; ++c) y[c] = bf16(widen(x[c]) * inv).x;
 }
 
 // RMSNorm normalised and scaled in fp32, rounded once (Gemma 4's norms, and Qwen3.5's with 1 + w
@@ -494,14 +497,17 @@ torch::Tensor attend_cache(const std::vector<float>& qf, const torch::Tensor& kc
   return y;
 }
 
-// Row x [Dh] rotated by this position's tables (the sign of rotate-half folded into S), in fp32
-// and rounded once.
-inline void rotate_row(const uint16_t* x, const uint16_t* C, const uint16_t* S, int64_t Dh, uint16_t* out) {
-  const int64_t half = Dh / 2;
-  for (int64_t d = 0; d < Dh; ++d) {
+// Row x [Dh] with its first R dims rotated by this position's tables C, S [R] (the sign of
+// rotate-half folded into S), in fp32 and rounded once; dims R .. Dh-1 as they are.
+inline void rotate_row(const uint16_t* x, const uint16_t* C, const uint16_t* S, int64_t Dh, uint16_t* out,
+                       int64_t R = -1) {
+  R = R < 0 ? Dh : R;
+  const int64_t half = R / 2;
+  for (int64_t d = 0; d < R; ++d) {
     const float rot = widen(x[d < half ? d + half : d - half]);
     out[d] = bf16(widen(x[d]) * widen(C[d]) + rot * widen(S[d])).x;
   }
+  std::memcpy(out + R, x + R, (Dh - R) * sizeof(uint16_t));
 }
 
 void check_kv_cache(const torch::Tensor& kc, const torch::Tensor& vc, int64_t G, int64_t slot, int64_t n) {
@@ -597,6 +603,49 @@ torch::Tensor attend_scaled(const torch::Tensor& qkv, const torch::Tensor& q_nor
 
 inline float round_bf16(float v) { return widen(bf16(v).x); }
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+// Qwen3.5's gated attention for one token (models/gated_attention.py), from the projection's
+// output to the gated heads' outputs, in one call where torch takes about twenty:
+//   qkv [2 H Dh + 2 G Dh]: per head Dh query rows then Dh gate rows, then k, then v;
+//   q_norm, k_norm [Dh] (1 + w, fp32 or bf16): per-head RMSNorms scaled once (`scaled_row`);
+//   cos, sin [R]: rotary tables of the first R dims of a head (the rest pass through);
+//   kc, vc [G, capacity, Dh]: this token's key and value go to row `slot`; attention over rows
+//   0 .. n-1; each output rounded to bf16, then times sigmoid(gate) (rounded), as torch does.
+torch::Tensor attend_gated(const torch::Tensor& qkv, const torch::Tensor& q_norm, const torch::Tensor& k_norm,
+                           double eps, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& kc,
+                           const torch::Tensor& vc, int64_t slot, int64_t n, double scale, int64_t H, int64_t G) {
+  for (const torch::Tensor* t : {&qkv, &cos, &sin}) check_rows(*t, "attention input");
+  check_kv_cache(kc, vc, G, slot, n);
+  const int64_t Dh = kc.size(2), cap = kc.size(1), R = cos.numel();
+  TORCH_CHECK(H % G == 0 && qkv.numel() == 2 * (H + G) * Dh && R % 2 == 0 && R <= Dh && sin.numel() == R &&
+                  q_norm.numel() == Dh && k_norm.numel() == Dh,
+              "attention: shapes do not match H=", H, " G=", G, " Dh=", Dh, " rotary dims=", R);
+  const Floats qw(q_norm, "q_norm"), kw(k_norm, "k_norm");
+  const uint16_t *in = bits(qkv), *C = bits(cos), *S = bits(sin);
+  uint16_t* K = reinterpret_cast<uint16_t*>(kc.data_ptr<bf16>());
+  uint16_t* V = reinterpret_cast<uint16_t*>(vc.data_ptr<bf16>());
+  std::vector<uint16_t> normed(Dh), q(Dh);
+  std::vector<float> qf(H * Dh);
+  for (int64_t h = 0; h < H; ++h) {
+    scaled_row(in + 2 * h * Dh, &qw, Dh, eps, normed.data());
+    rotate_row(normed.data(), C, S, Dh, q.data(), R);
+    for (int64_t d = 0; d < Dh; ++d) qf[h * Dh + d] = widen(q[d]);
+  }
+  const uint16_t *kin = in + 2 * H * Dh, *vin = kin + G * Dh;
+  for (int64_t g = 0; g < G; ++g) {
+    scaled_row(kin + g * Dh, &kw, Dh, eps, normed.data());
+    rotate_row(normed.data(), C, S, Dh, K + (g * cap + slot) * Dh, R);
+    std::memcpy(V + (g * cap + slot) * Dh, vin + g * Dh, Dh * sizeof(uint16_t));
+  }
+  torch::Tensor y = attend_cache(qf, kc, vc, n, nullptr, 0, scale, H, G, qkv);
+  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<bf16>());
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t d = 0; d < Dh; ++d) {
+      const float gate = round_bf16(1.f / (1.f + std::exp(-widen(in[(2 * h + 1) * Dh + d]))));
+      Y[h * Dh + d] = bf16(widen(Y[h * Dh + d]) * gate).x;
+    }
+  return y;
+}
 
 // One decode step of a Gated DeltaNet layer (models/deltanet.py), from its projections to the
 // gated norm's output, in one call where torch takes about forty:
@@ -718,6 +767,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("cos"), py::arg("sin"),
         py::arg("kc"), py::arg("vc"), py::arg("slot"), py::arg("n"), py::arg("kpos"), py::arg("lo"), py::arg("scale"),
         py::arg("H"), py::arg("G"), py::arg("k_eq_v"), py::call_guard<py::gil_scoped_release>());
+  m.def("attend_gated", &attend_gated, "Qwen3.5's gated decode attention for one token: q/k norms scaled once, "
+        "partial rotary, the key and value into a cache row, softmax(qk)v over the rows, times sigmoid(gate)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("deltanet_step", &deltanet_step, "one Gated DeltaNet decode step: conv, normalised q/k, state update, gated norm",
         py::call_guard<py::gil_scoped_release>());
 }
