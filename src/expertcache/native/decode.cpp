@@ -291,6 +291,18 @@ inline void scaled_row(const uint16_t* x, const Floats* w, int64_t C, double eps
     for (int64_t c = 0; c < C; ++c) y[c] = bf16(widen(x[c]) * inv).x;
 }
 
+// Head x [Dh] as decode attention takes a query or key: normalised and scaled (`scaled_row`),
+// then its first R dims rotated (`rotate_row`) into out; scratch [Dh].
+inline void rotate_row(const uint16_t* x, const uint16_t* C, const uint16_t* S, int64_t Dh, uint16_t* out,
+                       int64_t R = -1);
+inline void norm_rotate(const uint16_t* x, const Floats& w, const uint16_t* C, const uint16_t* S, int64_t Dh,
+                        int64_t R, double eps, uint16_t* scratch, uint16_t* out) {
+  scaled_row(x, &w, Dh, eps, scratch);
+  rotate_row(scratch, C, S, Dh, out, R);
+}
+
+inline uint16_t* mutable_bits(const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<bf16>()); }
+
 // RMSNorm normalised and scaled in fp32, rounded once (Gemma 4's norms, and Qwen3.5's with 1 + w
 // in the weight): y = bf16(x * inv * w), w fp32 or bf16 [C], or without a weight bf16(x * inv).
 // torch takes about eight ops for this; a decode step of those families runs dozens of them.
@@ -500,7 +512,7 @@ torch::Tensor attend_cache(const std::vector<float>& qf, const torch::Tensor& kc
 // Row x [Dh] with its first R dims rotated by this position's tables C, S [R] (the sign of
 // rotate-half folded into S), in fp32 and rounded once; dims R .. Dh-1 as they are.
 inline void rotate_row(const uint16_t* x, const uint16_t* C, const uint16_t* S, int64_t Dh, uint16_t* out,
-                       int64_t R = -1) {
+                       int64_t R) {
   R = R < 0 ? Dh : R;
   const int64_t half = R / 2;
   for (int64_t d = 0; d < R; ++d) {
@@ -582,21 +594,17 @@ torch::Tensor attend_scaled(const torch::Tensor& qkv, const torch::Tensor& q_nor
   }
   const Floats qw(q_norm, "q_norm"), kw(k_norm, "k_norm");
   const uint16_t *in = bits(qkv), *C = bits(cos), *S = bits(sin);
-  uint16_t* K = reinterpret_cast<uint16_t*>(kc.data_ptr<bf16>());
-  uint16_t* V = reinterpret_cast<uint16_t*>(vc.data_ptr<bf16>());
-  std::vector<uint16_t> normed(Dh), q(Dh);
+  uint16_t *K = mutable_bits(kc), *V = mutable_bits(vc);
+  std::vector<uint16_t> scratch(Dh), q(Dh);
   std::vector<float> qf(H * Dh);
-  for (int64_t r = 0; r < H + G; ++r) {
-    const uint16_t* x = in + r * Dh;
-    scaled_row(x, r < H ? &qw : &kw, Dh, eps, normed.data());
-    if (r < H) {
-      rotate_row(normed.data(), C, S, Dh, q.data());
-      for (int64_t d = 0; d < Dh; ++d) qf[r * Dh + d] = widen(q[d]);
-    } else {
-      const int64_t g = r - H;
-      rotate_row(normed.data(), C, S, Dh, K + (g * cap + slot) * Dh);
-      scaled_row(k_eq_v ? x : in + (H + G + g) * Dh, nullptr, Dh, eps, V + (g * cap + slot) * Dh);
-    }
+  for (int64_t h = 0; h < H; ++h) {
+    norm_rotate(in + h * Dh, qw, C, S, Dh, Dh, eps, scratch.data(), q.data());
+    for (int64_t d = 0; d < Dh; ++d) qf[h * Dh + d] = widen(q[d]);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const uint16_t* k = in + (H + g) * Dh;
+    norm_rotate(k, kw, C, S, Dh, Dh, eps, scratch.data(), K + (g * cap + slot) * Dh);
+    scaled_row(k_eq_v ? k : in + (H + G + g) * Dh, nullptr, Dh, eps, V + (g * cap + slot) * Dh);
   }
   return attend_cache(qf, kc, vc, n, P, lo, scale, H, G, qkv);
 }
@@ -621,20 +629,16 @@ torch::Tensor attend_gated(const torch::Tensor& qkv, const torch::Tensor& q_norm
                   q_norm.numel() == Dh && k_norm.numel() == Dh,
               "attention: shapes do not match H=", H, " G=", G, " Dh=", Dh, " rotary dims=", R);
   const Floats qw(q_norm, "q_norm"), kw(k_norm, "k_norm");
-  const uint16_t *in = bits(qkv), *C = bits(cos), *S = bits(sin);
-  uint16_t* K = reinterpret_cast<uint16_t*>(kc.data_ptr<bf16>());
-  uint16_t* V = reinterpret_cast<uint16_t*>(vc.data_ptr<bf16>());
-  std::vector<uint16_t> normed(Dh), q(Dh);
+  const uint16_t *in = bits(qkv), *C = bits(cos), *S = bits(sin), *kin = in + 2 * H * Dh, *vin = kin + G * Dh;
+  uint16_t *K = mutable_bits(kc), *V = mutable_bits(vc);
+  std::vector<uint16_t> scratch(Dh), q(Dh);
   std::vector<float> qf(H * Dh);
   for (int64_t h = 0; h < H; ++h) {
-    scaled_row(in + 2 * h * Dh, &qw, Dh, eps, normed.data());
-    rotate_row(normed.data(), C, S, Dh, q.data(), R);
+    norm_rotate(in + 2 * h * Dh, qw, C, S, Dh, R, eps, scratch.data(), q.data());
     for (int64_t d = 0; d < Dh; ++d) qf[h * Dh + d] = widen(q[d]);
   }
-  const uint16_t *kin = in + 2 * H * Dh, *vin = kin + G * Dh;
   for (int64_t g = 0; g < G; ++g) {
-    scaled_row(kin + g * Dh, &kw, Dh, eps, normed.data());
-    rotate_row(normed.data(), C, S, Dh, K + (g * cap + slot) * Dh, R);
+    norm_rotate(kin + g * Dh, kw, C, S, Dh, R, eps, scratch.data(), K + (g * cap + slot) * Dh);
     std::memcpy(V + (g * cap + slot) * Dh, vin + g * Dh, Dh * sizeof(uint16_t));
   }
   torch::Tensor y = attend_cache(qf, kc, vc, n, nullptr, 0, scale, H, G, qkv);
