@@ -26,7 +26,9 @@ integer blocks, as llama.cpp does (`--activations`, `ACTIVATIONS_CHOICES`). The 
 Only one-row work on the CPU takes the native paths (a decode step, the last row of a prompt),
 and products of up to `act8_rows` rows over quantized blocks (`gemm_act8`); prefill's other
 products use torch (quantized weights decoded a block of rows at a time).
-Attention stays on torch for sliding windows, clipped q/k/v and whole-projection q/k norms (OLMoE).
+A decode step's attention is one native call in every family (`attend`; Gemma 4's `attend_scaled`,
+over its sliding ring too; Qwen3.5's gated `attend_gated`), except with clipped q/k/v or a
+whole-projection q/k norm (OLMoE) or a sliding window in the shared attention, which stay on torch.
 The choice belongs to a model: it holds one `Kernels` object (`TorchKernels` or
 `NativeKernels`) and passes it to every layer; nothing reads a process-wide setting, so models
 with different choices can run side by side.

@@ -3,8 +3,9 @@
 // torch's one-row bf16 kernel widens every weight to fp32 before its multiply-add and reads the
 // weights at about half of what this CPU can stream. On a CPU with AVX512-BF16 a single
 // instruction (vdpbf16ps) multiplies 32 bf16 pairs and adds them into 16 fp32 sums, as
-// llama.cpp's bf16 path does; elsewhere a portable loop widens to fp32 in 16 independent lanes,
-// which the compiler vectorises without reassociating anything.
+// llama.cpp's bf16 path does; with AVX2 the products' input is widened once per call and each
+// run of 16 weights in two instructions (`dot_widened`); elsewhere a portable loop widens to fp32
+// in 16 independent lanes, which the compiler vectorises without reassociating anything.
 //
 // Every output element is one row's dot product, summed by one thread in a fixed order over K.
 // So a result depends only on the row and the input, never on how rows are split across
@@ -74,6 +75,73 @@ inline float dot(const uint16_t* row, const uint16_t* x, int64_t K) {
 #endif
 }
 
+// On AVX2 without AVX512-BF16, a product's x is widened once per call into `Widened` order:
+// per 16 elements, the 8 at even positions then the 8 at odd ones. A weight run of 16 then
+// widens in two instructions (the even elements shifted up by 16 bits, the odd ones masked in
+// place) and meets x in two fused multiply-adds, where widening both sides element by element
+// took several times the work and kept one core well below the rate memory delivers.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(EXPERTCACHE_PORTABLE) && !defined(EXPERTCACHE_BF16_DOT)
+#define EXPERTCACHE_AVX2_DOT 1
+#include <immintrin.h>
+#endif
+
+// x [K] as `dot_widened` reads it (the tail past the last 16 in order), fp32.
+struct Widened {
+  std::vector<float> v;
+  Widened() = default;
+  Widened(const uint16_t* x, int64_t K) { set(x, K); }
+  void set(const uint16_t* x, int64_t K) {
+    v.resize(K);
+    const int64_t K16 = K - K % 16;
+    for (int64_t i = 0; i < K; ++i) {
+      const int64_t at = i < K16 ? i - i % 16 + (i % 2) * 8 + (i % 16) / 2 : i;
+      v[at] = widen(x[i]);
+    }
+  }
+};
+
+// x widened where `dot_widened` reads it so, else nothing.
+inline Widened widened(const uint16_t* x, int64_t K) {
+#if defined(EXPERTCACHE_AVX2_DOT)
+  return Widened(x, K);
+#else
+  (void)x, (void)K;
+  return Widened();
+#endif
+}
+
+// sum_k row[k] * x[k] with x as `Widened` holds it; the portable build and AVX512-BF16 take `dot`.
+inline float dot_widened(const uint16_t* row, const uint16_t* x, const Widened& xw, int64_t K) {
+#if defined(EXPERTCACHE_AVX2_DOT)
+  const float* X = xw.v.data();
+  const __m256i odd = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k + 16));
+    a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), _mm256_loadu_ps(X + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(w0, odd)), _mm256_loadu_ps(X + k + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)), _mm256_loadu_ps(X + k + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(w1, odd)), _mm256_loadu_ps(X + k + 24), a3);
+  }
+  for (; k + 16 <= K; k += 16) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+    a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), _mm256_loadu_ps(X + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(w0, odd)), _mm256_loadu_ps(X + k + 8), a1);
+  }
+  const __m256 s8 = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  s = _mm_hadd_ps(s, s);
+  float total = _mm_cvtss_f32(_mm_hadd_ps(s, s));
+  for (; k < K; ++k) total += widen(row[k]) * X[k];
+  return total;
+#else
+  (void)xw;
+  return dot(row, x, K);
+#endif
+}
+
 const uint16_t* bits(const torch::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<bf16>());
 }
@@ -96,9 +164,10 @@ torch::Tensor gemv(const torch::Tensor& w, const torch::Tensor& x_in) {
   auto y = row ? torch::empty({1, N}, x.options()) : torch::empty({N}, x.options());
   const uint16_t* W = bits(w);
   const uint16_t* X = bits(x);
+  const Widened xw = widened(X, K);
   bf16* Y = y.data_ptr<bf16>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) Y[r] = bf16(dot(W + r * K, X, K));
+    for (int64_t r = begin; r < end; ++r) Y[r] = bf16(dot_widened(W + r * K, X, xw, K));
   });
   return y;
 }
@@ -199,11 +268,12 @@ torch::Tensor experts(const torch::Tensor& x, const std::vector<torch::Tensor>& 
     dn_w[e] = bits(downs[e]);
   }
   const uint16_t* X = bits(x);
+  const Widened xw = widened(X, D);
   std::vector<uint16_t> gu(n * 2 * I), h(n * I);
   at::parallel_for(0, n * 2 * I, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t e = r / (2 * I), i = r % (2 * I);
-      gu[r] = bf16(dot(gu_w[e] + i * D, X, D)).x;
+      gu[r] = bf16(dot_widened(gu_w[e] + i * D, X, xw, D)).x;
     }
   });
   at::parallel_for(0, n * I, 256, [&](int64_t begin, int64_t end) {
@@ -214,11 +284,13 @@ torch::Tensor experts(const torch::Tensor& x, const std::vector<torch::Tensor>& 
       h[r] = bf16(a * u).x;
     }
   });
+  std::vector<Widened> hw(n);
+  for (int64_t e = 0; e < n; ++e) hw[e] = widened(h.data() + e * I, I);
   bf16* Y = into != nullptr ? nullptr : y.data_ptr<bf16>();
   at::parallel_for(0, n * D, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t e = r / D, i = r % D;
-      const float v = dot(dn_w[e] + i * I, h.data() + e * I, I);
+      const float v = dot_widened(dn_w[e] + i * I, h.data() + e * I, hw[e], I);
       if (into != nullptr)
         into[rows[e] * D + i] = v;
       else
@@ -746,6 +818,8 @@ torch::Tensor deltanet_step(const torch::Tensor& qkv, const torch::Tensor& z, co
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(EXPERTCACHE_BF16_DOT)
   m.attr("isa") = "avx512-bf16";
+#elif defined(EXPERTCACHE_AVX2_DOT)
+  m.attr("isa") = "avx2";
 #else
   m.attr("isa") = "portable";
 #endif
