@@ -182,10 +182,9 @@ def attention(k: Kernels, cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor
         # Everything between the two projections in one call: q/k norm, rotary, the cache append
         # and attention over the cache (see native/decode.cpp).
         qkv = linear(x, w.qkv, w.qkv_bias)                                         # [1, (H+2G)*Dh]
-        kv.reserve(kv.length + 1)
+        keys, values, slot, _, _ = kv.decode_rows(layer)
         norm = w.qk_norm if w.qk_norm is not None else _NO_NORM
-        out = native.attend(qkv, norm, eps, cos, sin, kv.k[layer], kv.v[layer], kv.length,
-                            Dh ** -0.5, H, G)                                      # [1, H*Dh]
+        out = native.attend(qkv, norm, eps, cos, sin, keys, values, slot, Dh ** -0.5, H, G)  # [1, H*Dh]
         return linear(out, w.o, w.o_bias)                                          # [1, D]
     # Queries and keys stay side by side, [T, H+G, Dh], and are normalised and rotated as one
     # tensor: per element the same arithmetic as doing each alone, in half the calls.

@@ -85,30 +85,30 @@ inline float dot(const uint16_t* row, const uint16_t* x, int64_t K) {
 #include <immintrin.h>
 #endif
 
-// x [K] as `dot_widened` reads it (the tail past the last 16 in order), fp32.
+#if defined(EXPERTCACHE_AVX2_ATTEND)
+// The eight lanes' total.
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+#endif
+
+// x [K] as `dot_widened` reads it (the tail past the last 16 in order), fp32; empty on the
+// builds that read x as it is.
 struct Widened {
   std::vector<float> v;
   Widened() = default;
-  Widened(const uint16_t* x, int64_t K) { set(x, K); }
-  void set(const uint16_t* x, int64_t K) {
+  Widened(const uint16_t* x, int64_t K) {
+#if defined(EXPERTCACHE_AVX2_DOT)
     v.resize(K);
     const int64_t K16 = K - K % 16;
-    for (int64_t i = 0; i < K; ++i) {
-      const int64_t at = i < K16 ? i - i % 16 + (i % 2) * 8 + (i % 16) / 2 : i;
-      v[at] = widen(x[i]);
-    }
+    for (int64_t i = 0; i < K; ++i) v[i < K16 ? i - i % 16 + (i % 2) * 8 + (i % 16) / 2 : i] = widen(x[i]);
+#else
+    (void)x, (void)K;
+#endif
   }
 };
-
-// x widened where `dot_widened` reads it so, else nothing.
-inline Widened widened(const uint16_t* x, int64_t K) {
-#if defined(EXPERTCACHE_AVX2_DOT)
-  return Widened(x, K);
-#else
-  (void)x, (void)K;
-  return Widened();
-#endif
-}
 
 // sum_k row[k] * x[k] with x as `Widened` holds it; the portable build and AVX512-BF16 take `dot`.
 inline float dot_widened(const uint16_t* row, const uint16_t* x, const Widened& xw, int64_t K) {
@@ -130,10 +130,7 @@ inline float dot_widened(const uint16_t* row, const uint16_t* x, const Widened& 
     a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), _mm256_loadu_ps(X + k), a0);
     a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(w0, odd)), _mm256_loadu_ps(X + k + 8), a1);
   }
-  const __m256 s8 = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  s = _mm_hadd_ps(s, s);
-  float total = _mm_cvtss_f32(_mm_hadd_ps(s, s));
+  float total = sum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
   for (; k < K; ++k) total += widen(row[k]) * X[k];
   return total;
 #else
@@ -145,6 +142,8 @@ inline float dot_widened(const uint16_t* row, const uint16_t* x, const Widened& 
 const uint16_t* bits(const torch::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<bf16>());
 }
+
+uint16_t* mutable_bits(const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<bf16>()); }
 
 void check_matrix(const torch::Tensor& w, int64_t K, const char* what) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
@@ -164,7 +163,7 @@ torch::Tensor gemv(const torch::Tensor& w, const torch::Tensor& x_in) {
   auto y = row ? torch::empty({1, N}, x.options()) : torch::empty({N}, x.options());
   const uint16_t* W = bits(w);
   const uint16_t* X = bits(x);
-  const Widened xw = widened(X, K);
+  const Widened xw(X, K);
   bf16* Y = y.data_ptr<bf16>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) Y[r] = bf16(dot_widened(W + r * K, X, xw, K));
@@ -268,7 +267,7 @@ torch::Tensor experts(const torch::Tensor& x, const std::vector<torch::Tensor>& 
     dn_w[e] = bits(downs[e]);
   }
   const uint16_t* X = bits(x);
-  const Widened xw = widened(X, D);
+  const Widened xw(X, D);
   std::vector<uint16_t> gu(n * 2 * I), h(n * I);
   at::parallel_for(0, n * 2 * I, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -285,7 +284,7 @@ torch::Tensor experts(const torch::Tensor& x, const std::vector<torch::Tensor>& 
     }
   });
   std::vector<Widened> hw(n);
-  for (int64_t e = 0; e < n; ++e) hw[e] = widened(h.data() + e * I, I);
+  for (int64_t e = 0; e < n; ++e) hw[e] = Widened(h.data() + e * I, I);
   bf16* Y = into != nullptr ? nullptr : y.data_ptr<bf16>();
   at::parallel_for(0, n * D, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -332,7 +331,7 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w, double
   TORCH_CHECK(per_row ? (w.size(0) == R && w.size(1) == C) : (w.dim() == 1 && w.size(0) == C),
               "weight: expected [", C, "] or [", R, ", ", C, "]");
   auto y = torch::empty_like(x);
-  rms_rows(bits(x), bits(w), per_row, R, C, eps, reinterpret_cast<uint16_t*>(y.data_ptr<bf16>()));
+  rms_rows(bits(x), bits(w), per_row, R, C, eps, mutable_bits(y));
   return y;
 }
 
@@ -363,17 +362,26 @@ inline void scaled_row(const uint16_t* x, const Floats* w, int64_t C, double eps
     for (int64_t c = 0; c < C; ++c) y[c] = bf16(widen(x[c]) * inv).x;
 }
 
+// Row x [Dh] with its first R dims rotated by this position's tables C, S [R] (the sign of
+// rotate-half folded into S), in fp32 and rounded once; dims R .. Dh-1 as they are.
+inline void rotate_row(const uint16_t* x, const uint16_t* C, const uint16_t* S, int64_t Dh, uint16_t* out,
+                       int64_t R = -1) {
+  R = R < 0 ? Dh : R;
+  const int64_t half = R / 2;
+  for (int64_t d = 0; d < R; ++d) {
+    const float rot = widen(x[d < half ? d + half : d - half]);
+    out[d] = bf16(widen(x[d]) * widen(C[d]) + rot * widen(S[d])).x;
+  }
+  std::memcpy(out + R, x + R, (Dh - R) * sizeof(uint16_t));
+}
+
 // Head x [Dh] as decode attention takes a query or key: normalised and scaled (`scaled_row`),
 // then its first R dims rotated (`rotate_row`) into out; scratch [Dh].
-inline void rotate_row(const uint16_t* x, const uint16_t* C, const uint16_t* S, int64_t Dh, uint16_t* out,
-                       int64_t R = -1);
 inline void norm_rotate(const uint16_t* x, const Floats& w, const uint16_t* C, const uint16_t* S, int64_t Dh,
                         int64_t R, double eps, uint16_t* scratch, uint16_t* out) {
   scaled_row(x, &w, Dh, eps, scratch);
   rotate_row(scratch, C, S, Dh, out, R);
 }
-
-inline uint16_t* mutable_bits(const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<bf16>()); }
 
 // RMSNorm normalised and scaled in fp32, rounded once (Gemma 4's norms, and Qwen3.5's with 1 + w
 // in the weight): y = bf16(x * inv * w), w fp32 or bf16 [C], or without a weight bf16(x * inv).
@@ -390,7 +398,7 @@ torch::Tensor rms_norm_scaled(const torch::Tensor& x_in, const c10::optional<tor
   const c10::optional<Floats> weight = has_w ? c10::make_optional(Floats(*w, "weight")) : c10::nullopt;
   auto y = torch::empty_like(x);
   const uint16_t* X = bits(x);
-  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<bf16>());
+  uint16_t* Y = mutable_bits(y);
   for (int64_t i = 0; i < R; ++i) scaled_row(X + i * C, weight ? &*weight : nullptr, C, eps, Y + i * C);
   return y;
 }
@@ -437,12 +445,6 @@ inline __m256 exp8_nonpositive(__m256 x) {
   const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(poly, r), r, r), _mm256_set1_ps(1.f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
-}
-
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
 #endif
 
@@ -545,17 +547,19 @@ void attend_heads(const float* q, const uint16_t* K, const uint16_t* V, int64_t 
   }
 }
 
-// Attention over a layer's cache for one token's H query heads (qf [H, Dh], fp32): rows 0 .. n-1
+// Attention over a layer's cache for one token's H query heads (q [H, Dh], bf16): rows 0 .. n-1
 // of kc, vc [G, capacity, Dh], masked by kpos/lo as `attend_heads` says (kpos null: none);
 // returns [1, H * Dh] (bf16) like `like`, or [H * Dh] for a one-dim `like`.
-torch::Tensor attend_cache(const std::vector<float>& qf, const torch::Tensor& kc, const torch::Tensor& vc, int64_t n,
+torch::Tensor attend_cache(const std::vector<uint16_t>& q, const torch::Tensor& kc, const torch::Tensor& vc, int64_t n,
                            const int64_t* kpos, int64_t lo, double scale, int64_t H, int64_t G,
                            const torch::Tensor& like) {
   const int64_t Dh = kc.size(2), cap = kc.size(1), R = H / G;
+  std::vector<float> qf(H * Dh);
+  for (int64_t i = 0; i < H * Dh; ++i) qf[i] = widen(q[i]);
   const uint16_t* K = bits(kc);
   const uint16_t* V = bits(vc);
   auto y = like.dim() == 2 ? torch::empty({1, H * Dh}, like.options()) : torch::empty({H * Dh}, like.options());
-  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<bf16>());
+  uint16_t* Y = mutable_bits(y);
   // The R query heads of a key/value group in blocks of up to 8 (`attend_heads`), one block per
   // task: each key and value row is read once per block rather than once per head.
   const int64_t HB = std::min<int64_t>(R, 8), blocks = (R + HB - 1) / HB;
@@ -579,19 +583,6 @@ torch::Tensor attend_cache(const std::vector<float>& qf, const torch::Tensor& kc
     }
   });
   return y;
-}
-
-// Row x [Dh] with its first R dims rotated by this position's tables C, S [R] (the sign of
-// rotate-half folded into S), in fp32 and rounded once; dims R .. Dh-1 as they are.
-inline void rotate_row(const uint16_t* x, const uint16_t* C, const uint16_t* S, int64_t Dh, uint16_t* out,
-                       int64_t R) {
-  R = R < 0 ? Dh : R;
-  const int64_t half = R / 2;
-  for (int64_t d = 0; d < R; ++d) {
-    const float rot = widen(x[d < half ? d + half : d - half]);
-    out[d] = bf16(widen(x[d]) * widen(C[d]) + rot * widen(S[d])).x;
-  }
-  std::memcpy(out + R, x + R, (Dh - R) * sizeof(uint16_t));
 }
 
 void check_kv_cache(const torch::Tensor& kc, const torch::Tensor& vc, int64_t G, int64_t slot, int64_t n) {
@@ -629,15 +620,13 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& qk_norm, dou
   // Rotate q and k in fp32, rounded once; k goes straight into the cache, as does v.
   const uint16_t *C = bits(cos), *S = bits(sin);
   std::vector<uint16_t> q(H * Dh);
-  uint16_t* K = reinterpret_cast<uint16_t*>(kc.data_ptr<bf16>());
-  uint16_t* V = reinterpret_cast<uint16_t*>(vc.data_ptr<bf16>());
+  uint16_t* K = mutable_bits(kc);
+  uint16_t* V = mutable_bits(vc);
   for (int64_t r = 0; r < H + G; ++r)
     rotate_row(qk.data() + r * Dh, C, S, Dh, r < H ? q.data() + r * Dh : K + ((r - H) * cap + pos) * Dh);
   for (int64_t g = 0; g < G; ++g)
     std::memcpy(V + (g * cap + pos) * Dh, in + (H + G + g) * Dh, Dh * sizeof(uint16_t));
-  std::vector<float> qf(H * Dh);
-  for (int64_t i = 0; i < H * Dh; ++i) qf[i] = widen(q[i]);
-  return attend_cache(qf, kc, vc, pos + 1, nullptr, 0, scale, H, G, qkv);
+  return attend_cache(q, kc, vc, pos + 1, nullptr, 0, scale, H, G, qkv);
 }
 
 // Gemma 4's decode attention (models/sliding_attention.py), from the projection's output to the
@@ -667,18 +656,14 @@ torch::Tensor attend_scaled(const torch::Tensor& qkv, const torch::Tensor& q_nor
   const Floats qw(q_norm, "q_norm"), kw(k_norm, "k_norm");
   const uint16_t *in = bits(qkv), *C = bits(cos), *S = bits(sin);
   uint16_t *K = mutable_bits(kc), *V = mutable_bits(vc);
-  std::vector<uint16_t> scratch(Dh), q(Dh);
-  std::vector<float> qf(H * Dh);
-  for (int64_t h = 0; h < H; ++h) {
-    norm_rotate(in + h * Dh, qw, C, S, Dh, Dh, eps, scratch.data(), q.data());
-    for (int64_t d = 0; d < Dh; ++d) qf[h * Dh + d] = widen(q[d]);
-  }
+  std::vector<uint16_t> scratch(Dh), q(H * Dh);
+  for (int64_t h = 0; h < H; ++h) norm_rotate(in + h * Dh, qw, C, S, Dh, Dh, eps, scratch.data(), q.data() + h * Dh);
   for (int64_t g = 0; g < G; ++g) {
     const uint16_t* k = in + (H + g) * Dh;
     norm_rotate(k, kw, C, S, Dh, Dh, eps, scratch.data(), K + (g * cap + slot) * Dh);
     scaled_row(k_eq_v ? k : in + (H + G + g) * Dh, nullptr, Dh, eps, V + (g * cap + slot) * Dh);
   }
-  return attend_cache(qf, kc, vc, n, P, lo, scale, H, G, qkv);
+  return attend_cache(q, kc, vc, n, P, lo, scale, H, G, qkv);
 }
 
 inline float round_bf16(float v) { return widen(bf16(v).x); }
@@ -703,18 +688,15 @@ torch::Tensor attend_gated(const torch::Tensor& qkv, const torch::Tensor& q_norm
   const Floats qw(q_norm, "q_norm"), kw(k_norm, "k_norm");
   const uint16_t *in = bits(qkv), *C = bits(cos), *S = bits(sin), *kin = in + 2 * H * Dh, *vin = kin + G * Dh;
   uint16_t *K = mutable_bits(kc), *V = mutable_bits(vc);
-  std::vector<uint16_t> scratch(Dh), q(Dh);
-  std::vector<float> qf(H * Dh);
-  for (int64_t h = 0; h < H; ++h) {
-    norm_rotate(in + 2 * h * Dh, qw, C, S, Dh, R, eps, scratch.data(), q.data());
-    for (int64_t d = 0; d < Dh; ++d) qf[h * Dh + d] = widen(q[d]);
-  }
+  std::vector<uint16_t> scratch(Dh), q(H * Dh);
+  for (int64_t h = 0; h < H; ++h)
+    norm_rotate(in + 2 * h * Dh, qw, C, S, Dh, R, eps, scratch.data(), q.data() + h * Dh);
   for (int64_t g = 0; g < G; ++g) {
     norm_rotate(kin + g * Dh, kw, C, S, Dh, R, eps, scratch.data(), K + (g * cap + slot) * Dh);
     std::memcpy(V + (g * cap + slot) * Dh, vin + g * Dh, Dh * sizeof(uint16_t));
   }
-  torch::Tensor y = attend_cache(qf, kc, vc, n, nullptr, 0, scale, H, G, qkv);
-  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<bf16>());
+  torch::Tensor y = attend_cache(q, kc, vc, n, nullptr, 0, scale, H, G, qkv);
+  uint16_t* Y = mutable_bits(y);
   for (int64_t h = 0; h < H; ++h)
     for (int64_t d = 0; d < Dh; ++d) {
       const float gate = round_bf16(1.f / (1.f + std::exp(-widen(in[(2 * h + 1) * Dh + d]))));
@@ -747,7 +729,7 @@ torch::Tensor deltanet_step(const torch::Tensor& qkv, const torch::Tensor& z, co
   const Floats W(conv_w, "conv weight"), Af(A, "A"), dt(dt_bias, "dt_bias"), nw(norm, "norm weight");
   const bool norm_bf16 = norm.scalar_type() == torch::kBFloat16;
   const uint16_t *X = bits(qkv), *Z = bits(z), *B = bits(b), *Ain = bits(a);
-  uint16_t* cs = reinterpret_cast<uint16_t*>(conv.data_ptr<bf16>());
+  uint16_t* cs = mutable_bits(conv);
   // The conv over the K-1 kept inputs and this one, summed in fp32 in tap order; then SiLU.
   std::vector<float> mixed(C);
   for (int64_t c = 0; c < C; ++c) {
@@ -772,7 +754,7 @@ torch::Tensor deltanet_step(const torch::Tensor& qkv, const torch::Tensor& z, co
       for (int64_t i = 0; i < dk; ++i) v[i] = part ? v[i] * inv : (v[i] * inv) * qscale;
     }
   auto y = qkv.dim() == 2 ? torch::empty({1, Hv * dv}, qkv.options()) : torch::empty({Hv * dv}, qkv.options());
-  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<bf16>());
+  uint16_t* Y = mutable_bits(y);
   float* St = S.data_ptr<float>();
   const int64_t R = Hv / Hk;
   at::parallel_for(0, Hv, 1, [&](int64_t begin, int64_t end) {
