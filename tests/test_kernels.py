@@ -69,6 +69,25 @@ def test_gemv_does_not_depend_on_thread_count(native):
     assert torch.equal(one, many)
 
 
+@pytest.mark.parametrize("t,n,k", [(16, 96, 2048), (7, 130, 64), (5, 37, 100), (2, 5, 33), (3, 1, 7), (130, 8, 48)])
+def test_linear_rows_match_exact_products_and_each_row_its_own(native, t, n, k):
+    w, x = bf16(n, k, seed=n, scale=0.1), bf16(t, k, seed=k)
+    y = native.linear_rows(x, w)
+    assert y.dtype == torch.bfloat16 and y.shape == (t, n)
+    for r in range(t):
+        assert_close_to_exact(y[r], w, x[r])
+    # A row's sums do not depend on the rows beside it (the tile it fell in) or on threads.
+    assert torch.equal(native.linear_rows(x[t - 1:], w)[0], y[t - 1])
+    assert torch.equal(native.linear_rows(x[1:], w), y[1:])
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native.linear_rows(x, w), y)
+    finally:
+        torch.set_num_threads(was)
+    assert native.linear_rows(x[:0], w).shape == (0, n)
+
+
 def bf16_experts(D: int, I: int, n: int, seed: int):
     """A token x [D] and n random bf16 experts: gate_up [2I, D] and down [D, I] matrices."""
     x = bf16(D, seed=seed)
@@ -310,6 +329,10 @@ def test_bad_arguments_are_errors_not_crashes(native):
         native.gemv(bf16(8, 4, seed=0).t(), bf16(8, seed=1))
     with pytest.raises(RuntimeError, match="bf16"):
         native.gemv(torch.ones(4, 8), torch.ones(8))
+    with pytest.raises(RuntimeError, match="expected 8 columns"):
+        native.linear_rows(bf16(3, 8, seed=1), bf16(4, 9, seed=0))
+    with pytest.raises(RuntimeError, match="x: expected a contiguous 2-D bf16"):
+        native.linear_rows(bf16(8, 3, seed=1).t(), bf16(4, 8, seed=0))
     kc = bf16(2, 4, 16, seed=0)
     with pytest.raises(RuntimeError, match="row 4 is outside the cache of 4 rows"):
         native.attend(bf16(8 * 16, seed=1), torch.empty(0, dtype=torch.bfloat16), 1e-6, bf16(16, seed=2),
@@ -498,6 +521,28 @@ def test_native_decode_tracks_the_reference_in_every_family(tiny_checkpoint, isa
         steps = torch.cat([model.prefill(session, [t], all_logits=True) for t in ids[8:].tolist()])
         errors[choice] = (steps.float() - exact).abs().amax(-1).median().item()
     assert errors["native"] <= 1.5 * errors["torch"] + 1e-2, errors
+
+
+@pytest.mark.parametrize("arch,opts", FAMILIES[:2], ids=[a for a, _ in FAMILIES[:2]])
+def test_native_prefill_tracks_the_reference(tiny_checkpoint, isa, arch, opts, monkeypatch):
+    """A prompt's logits with the native kernels, whose products of a few rows (each expert's
+    tokens) take `linear_rows` on AVX2, against transformers in fp32 on the same bf16 weights:
+    as close as torch's kernels. Qwen2-MoE's projections have biases and stay on torch's."""
+    ref, d = tiny_checkpoint(arch, dtype=torch.bfloat16, **opts)
+    ids = torch.randint(4, VOCAB, (40,), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        exact = ref.float()(ids[None]).logits[0]                       # [40, V]
+    errors = {}
+    for choice in ("torch", "native"):
+        model = expertcache.load(d, kernels=choice)
+        if choice == "native":
+            counting = CountingModule(model.kernels.native, "linear_rows")
+            monkeypatch.setattr(model.kernels, "native", counting)
+        logits = model.prefill(model.new_session(), ids.tolist(), all_logits=True)
+        errors[choice] = (logits.float() - exact).abs().amax(-1).median().item()
+    assert errors["native"] <= 1.5 * errors["torch"] + 1e-2, errors
+    # Taken where the build widens bf16 in registers; oneDNN's own product is fast elsewhere.
+    assert (counting.calls["linear_rows"] > 0) == (isa.isa == "avx2")
 
 
 def test_auto_is_native_for_bf16_on_the_cpu_and_torch_otherwise(checkpoint, native_reference, tmp_path):

@@ -5,9 +5,12 @@ Prefill's expert products have few rows (512 tokens x 8 of 128 experts: 32 rows 
 have one. This prints the rate of a [M x 2048] x [2048 x 1536] product (Qwen3-30B-A3B's gate/up)
 for M from 1 to 512 through the paths torch offers on a CPU: `F.linear` (oneDNN), the same with
 oneDNN switched off (the BLAS path the decode step uses for one row), that path again on weights
-in memory advised for huge pages (as the engine allocates them), fp32, and oneDNN with the
-weight packed once ahead of time (which tells whether per-call repacking is what small products
-cost). The weights cycle through 16 matrices (96 MB) so that they come from memory, not the cache.
+in memory advised for huge pages (as the engine allocates them), fp32, both operands widened to
+fp32 per call (the engine's path for many rows on a CPU without bf16 instructions), oneDNN with
+the weight packed once ahead of time (which tells whether per-call repacking is what small
+products cost), and the engine's own product under `--kernels native` (on AVX2, `linear_rows`
+below `kernels.NATIVE_ROWS` rows). The weights cycle through 16 matrices (96 MB) so that they
+come from memory, not the cache.
 It also says whether the CPU has AMX tiles, which decide what bf16 products can reach.
 
     python tools/matmul_probe.py --threads 2
@@ -28,6 +31,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from expertcache.flags import positive_int  # noqa: E402
+from expertcache.errors import ExpertCacheError  # noqa: E402
+from expertcache.kernels import NativeKernels, _linear_in_fp32, load_native  # noqa: E402
 from expertcache.memory import host_copy  # noqa: E402
 
 K, N, MATRICES = 2048, 1536, 16
@@ -110,7 +115,13 @@ def main(argv=None) -> int:
           f"amx: {', '.join(amx) if amx else 'none'}; threads {args.threads}")
     packed_fn, packed = prepacked_path()
     paths = {"linear": (F.linear, weights), "onednn-off": (no_onednn, weights),
-             "off+hugepage": (no_onednn, huge), "fp32": (fp32, weights), "prepacked": (packed_fn, weights)}
+             "off+hugepage": (no_onednn, huge), "fp32": (fp32, weights),
+             "widened": (lambda x, w: _linear_in_fp32(x, w, None), weights), "prepacked": (packed_fn, weights)}
+    try:
+        native = NativeKernels(load_native())
+        paths[f"native-{native.native.isa}"] = (native.linear, huge)
+    except ExpertCacheError as e:
+        print(f"native kernels: {e}; their row left out")
     results: dict[str, dict[int, float]] = {p: {} for p in paths}
     print(f"\n{'path':12}" + "".join(f"{f'M={m}':>10}" for m in rows) + "   (GFLOP/s)")
     print("-" * (12 + 10 * len(rows) + 14))
@@ -118,7 +129,12 @@ def main(argv=None) -> int:
         cells = []
         for m in rows:
             packed.clear()  # a packing is specific to the row count it was made for
-            dt = rate(fn, ws, m, args.seconds)
+            try:
+                dt = rate(fn, ws, m, args.seconds)
+            except RuntimeError as e:  # oneDNN's prepacking needs AVX-512 or AVX-NE-CONVERT for bf16
+                cells = [f"  not on this CPU: {str(e).splitlines()[0]}"]
+                del results[name]
+                break
             results[name][m] = 2 * m * K * N / dt / 1e9
             cells.append(f"{results[name][m]:10.1f}")
         print(f"{name:12}" + "".join(cells))

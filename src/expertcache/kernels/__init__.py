@@ -24,8 +24,9 @@ integer blocks, as llama.cpp does (`--activations`, `ACTIVATIONS_CHOICES`). The 
   thread in a fixed order.
 
 Only one-row work on the CPU takes the native paths (a decode step, the last row of a prompt),
-and products of up to `act8_rows` rows over quantized blocks (`gemm_act8`); prefill's other
-products use torch (quantized weights decoded a block of rows at a time).
+and products of up to `act8_rows` rows over quantized blocks (`gemm_act8`), and on AVX2 bf16
+products of fewer than `NATIVE_ROWS` rows (`linear_rows`: a prompt's tokens routed to one expert);
+prefill's other products use torch (quantized weights decoded a block of rows at a time).
 A decode step's attention is one native call in every family (`attend`; Gemma 4's `attend_scaled`,
 over its sliding ring too; Qwen3.5's gated `attend_gated`), except with clipped q/k/v or a
 whole-projection q/k norm (OLMoE) or a sliding window in the shared attention, which stay on torch.
@@ -220,8 +221,13 @@ NATIVE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # one core, [256, 2048] x [2048, 1536]). Widening both operands to fp32 is exact (a bf16 or fp16
 # product fits an fp32 mantissa), the sums are fp32 in both, and the widening costs less than the
 # difference from about 12 rows on: prefill's products (an expert's rows, attention's
-# projections) take this path, a decode step's never do.
+# projections) take this path under torch's kernels, a decode step's never do.
 WIDE_ROWS = 16
+# Below this many rows a bf16 product on AVX2 takes the native kernel (`linear_rows`), which widens
+# the weights in registers: 100-130 GFLOP/s on two cores from 8 rows on, where the widened BLAS
+# product reaches 25-50 at 8-16 rows (a prompt's tokens routed to one expert) and draws level at
+# about 128 (`python tools/rows_probe.py --threads 2`).
+NATIVE_ROWS = 128
 # A block of a weight widened at a time: bounds the temporary (an LM head of 151k rows is 1.2 GB
 # in fp32).
 WIDE_BLOCK_BYTES = 64 << 20
@@ -498,7 +504,8 @@ class TorchKernels(Kernels):
 
 
 class NativeKernels(Kernels):
-    """The native one-row paths; everything with more rows stays on torch's."""
+    """The native one-row paths, and on AVX2 bf16 products of fewer than `NATIVE_ROWS` rows;
+    everything else stays on torch's."""
 
     name = "native"
 
@@ -509,9 +516,12 @@ class NativeKernels(Kernels):
         # A native model is bf16 on the CPU (`check_choice`), so one row is the native product.
         if isinstance(w, (QuantTensor, RowParts)):
             return self.linear_blocks(x, w, b)
-        if x.shape[0] == 1 and w.is_contiguous():
+        T = x.shape[0]
+        if T == 1 and w.is_contiguous():
             y = self.native.gemv(w, x)                  # [1, N]
             return y if b is None else y + b
+        if T < NATIVE_ROWS and b is None and self.native.isa == "avx2" and w.is_contiguous() and x.is_contiguous():
+            return self.native.linear_rows(x, w)        # [T, N]
         return super().linear(x, w, b)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,4 +1,5 @@
-// The decode step's one-row bf16 products, for `--kernels native` (see expertcache/kernels.py).
+// The decode step's one-row bf16 products, and on AVX2 those of a few dozen rows (prefill's
+// experts), for `--kernels native` (see expertcache/kernels.py).
 //
 // torch's one-row bf16 kernel widens every weight to fp32 before its multiply-add and reads the
 // weights at about half of what this CPU can stream. On a CPU with AVX512-BF16 a single
@@ -168,6 +169,107 @@ torch::Tensor gemv(const torch::Tensor& w, const torch::Tensor& x_in) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) Y[r] = bf16(dot_widened(W + r * K, X, xw, K));
   });
+  return y;
+}
+
+// Products of a few dozen rows (a prompt's tokens routed to one expert; a prompt's projections)
+// on AVX2: y [T, N] = x [T, K] w [N, K]^T, each element summed in fp32 and rounded once. Widening
+// the weights to fp32 for a BLAS product costs a write and a read of twice their bytes per call,
+// and oneDNN's own bf16 product runs at a seventh of its fp32 one here. Instead each run of 16
+// weights is widened in registers (as `dot_widened` does it) and meets TR rows of x at once, so
+// a weight read from memory serves TR rows and the sums stay in registers.
+//
+// Every element is summed in the same order whatever the tile, the row count or the threads: 8
+// lanes over K's runs of 16 (even elements, then odd), their total, then the tail past the last
+// run. So a row's result does not depend on which other rows share its call.
+#if defined(EXPERTCACHE_AVX2_DOT)
+template <int NR, int TR>
+inline void rows_tile(const uint16_t* w, const float* x, int64_t K, float (*out)[NR]) {
+  const __m256i odd = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const int64_t K16 = K - K % 16;
+  __m256 acc[TR][NR];
+  for (int t = 0; t < TR; ++t)
+    for (int r = 0; r < NR; ++r) acc[t][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K16; k += 16) {
+    for (int r = 0; r < NR; ++r) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + k));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      for (int t = 0; t < TR; ++t) acc[t][r] = _mm256_fmadd_ps(even, _mm256_loadu_ps(x + t * K + k), acc[t][r]);
+      const __m256 oddw = _mm256_castsi256_ps(_mm256_and_si256(raw, odd));
+      for (int t = 0; t < TR; ++t) acc[t][r] = _mm256_fmadd_ps(oddw, _mm256_loadu_ps(x + t * K + k + 8), acc[t][r]);
+    }
+  }
+  for (int t = 0; t < TR; ++t)
+    for (int r = 0; r < NR; ++r) {
+      float s = sum8(acc[t][r]);
+      for (int64_t k = K16; k < K; ++k) s += widen(w[r * K + k]) * x[t * K + k];
+      out[t][r] = s;
+    }
+}
+
+// Rows [n0, n0 + NR) of w against rows [t0, t0 + TR) of x (widened), into y [T, N].
+template <int NR, int TR>
+inline void rows_block(const uint16_t* W, const float* X, int64_t K, int64_t N, int64_t n0, int64_t t0, bf16* Y) {
+  float out[TR][NR];
+  rows_tile<NR, TR>(W + n0 * K, X + t0 * K, K, out);
+  for (int t = 0; t < TR; ++t)
+    for (int r = 0; r < NR; ++r) Y[(t0 + t) * N + n0 + r] = bf16(out[t][r]);
+}
+
+template <int NR>
+inline void rows_strip(const uint16_t* W, const float* X, int64_t K, int64_t N, int64_t n0, int64_t t0,
+                       int64_t t1, bf16* Y) {
+  int64_t t = t0;
+  for (; t + 4 <= t1; t += 4) rows_block<NR, 4>(W, X, K, N, n0, t, Y);
+  switch (t1 - t) {
+    case 3: rows_block<NR, 3>(W, X, K, N, n0, t, Y); break;
+    case 2: rows_block<NR, 2>(W, X, K, N, n0, t, Y); break;
+    case 1: rows_block<NR, 1>(W, X, K, N, n0, t, Y); break;
+    default: break;
+  }
+}
+#endif
+
+// Rows of x per pass over a thread's weight rows: their fp32 copy (64 x 2048 x 4 bytes) stays in
+// a core's L2 while the weights stream past it.
+constexpr int64_t kRowsPerPass = 64;
+
+// y [T, N] = x [T, K] w [N, K]^T in bf16, each element's sum in fp32 rounded once.
+torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "x: expected a contiguous 2-D bf16 CPU tensor");
+  const int64_t T = x.size(0), K = x.size(1);
+  check_matrix(w, K, "w");
+  const int64_t N = w.size(0);
+  auto y = torch::empty({T, N}, x.options());
+  if (T == 0 || N == 0) return y;
+  const uint16_t* W = bits(w);
+  const uint16_t* Xb = bits(x);
+  bf16* Y = y.data_ptr<bf16>();
+#if defined(EXPERTCACHE_AVX2_DOT)
+  std::vector<float> X(T * K);
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const Widened row(Xb + t * K, K);
+      std::memcpy(X.data() + t * K, row.v.data(), K * sizeof(float));
+    }
+  });
+  at::parallel_for(0, (N + 2) / 3, 4, [&](int64_t begin, int64_t end) {
+    const int64_t n_end = std::min(N, end * 3);
+    for (int64_t t0 = 0; t0 < T; t0 += kRowsPerPass) {
+      const int64_t t1 = std::min(T, t0 + kRowsPerPass);
+      int64_t n = begin * 3;
+      for (; n + 3 <= n_end; n += 3) rows_strip<3>(W, X.data(), K, N, n, t0, t1, Y);
+      if (n_end - n == 2) rows_strip<2>(W, X.data(), K, N, n, t0, t1, Y);
+      else if (n_end - n == 1) rows_strip<1>(W, X.data(), K, N, n, t0, t1, Y);
+    }
+  });
+#else
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t r = begin; r < end; ++r) Y[t * N + r] = bf16(dot(W + r * K, Xb + t * K, K));
+  });
+#endif
   return y;
 }
 
@@ -806,6 +908,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = "portable";
 #endif
   m.def("gemv", &gemv, "y [N] = w [N, K] x [K], bf16, one-row decode product",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("linear_rows", &linear_rows, "y [T, N] = x [T, K] w [N, K]^T, bf16, for products of a few dozen rows",
         py::call_guard<py::gil_scoped_release>());
   m.def("experts", &experts, "a wave of gated experts (silu or gelu_pytorch_tanh) on one token: [n, D]; with "
         "out (fp32 [A, D]) and rows, expert e's output unrounded in out[rows[e]]",
