@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -48,6 +49,7 @@ from gguf.constants import GGMLQuantizationType as Q
 
 from ..checkpoint.storage import QuantTensor, RowParts
 from ..errors import ExpertCacheError
+from ..memory import host_zeros
 
 KERNELS = ("auto", "torch", "native")
 # How the activations of products with quantized weights are taken: as they are (exact), or
@@ -267,18 +269,28 @@ def rms_norm_ggml(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     return y if weight is None else y * weight
 
 
+_wide = threading.local()
+
+
+def _widened(w: torch.Tensor) -> torch.Tensor:
+    """w in fp32, in a buffer this thread keeps: a fresh temporary of tens of MB is mapped by the
+    OS a page at a time on first touch, which took longer than the widening itself (a
+    [8192, 2048] weight: 61 ms a call against a few in a buffer already mapped)."""
+    buf = getattr(_wide, "buf", None)
+    if buf is None or buf.numel() < w.numel():
+        buf = _wide.buf = host_zeros((w.numel(),), torch.float32)
+    return buf[:w.numel()].view(w.shape).copy_(w)
+
+
 def _linear_in_fp32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """F.linear with the operands widened to fp32 (block by block of w's rows), rounded once."""
     T, N = x.shape[0], w.shape[0]
     xf = x.float()
     step = max(1, WIDE_BLOCK_BYTES // (4 * w.shape[1]))
-    if step >= N:
-        y = F.linear(xf, w.float(), None if b is None else b.float())  # [T, N]
-        return y.to(x.dtype)
     out = torch.empty((T, N), dtype=x.dtype, device=x.device)
     for a in range(0, N, step):
         e = min(a + step, N)
-        out[:, a:e] = F.linear(xf, w[a:e].float(), None if b is None else b[a:e].float())
+        out[:, a:e] = F.linear(xf, _widened(w[a:e]), None if b is None else b[a:e].float())
     return out
 
 

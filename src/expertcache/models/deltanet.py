@@ -186,10 +186,14 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: DeltaNetState) -> 
     T, K = x.shape[0], weight.shape[1]
     seq = torch.cat((state.conv.t(), x))                               # [K-1+T, C]
     state.conv.copy_(seq[T:].t())
+    seq = seq.float()
     wf = weight.float().t()                                            # [K, C]
-    y = seq[:T].float() * wf[0]                                        # [T, C]
+    y = seq[:T] * wf[0]                                                # [T, C]
+    # Each product into one temporary, then added: the same roundings as y += a * b, without a
+    # fresh [T, C] fp32 tensor per tap (a prompt's are megabytes, mapped a page at a time).
+    term = torch.empty_like(y)
     for j in range(1, K):
-        y += seq[j:j + T].float() * wf[j]
+        y += torch.mul(seq[j:j + T], wf[j], out=term)
     return F.silu(y.to(x.dtype))                                       # [T, C]
 
 

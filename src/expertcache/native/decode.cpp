@@ -191,6 +191,8 @@ inline void rows_tile(const uint16_t* w, const float* x, int64_t K, float (*out)
   for (int t = 0; t < TR; ++t)
     for (int r = 0; r < NR; ++r) acc[t][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K16; k += 16) {
+    if (k % 32 == 0)
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k), _MM_HINT_T0);
     for (int r = 0; r < NR; ++r) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + k));
       const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
