@@ -226,9 +226,9 @@ NATIVE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # projections) take this path under torch's kernels, a decode step's never do.
 WIDE_ROWS = 16
 # Below this many rows a bf16 product on AVX2 takes the native kernel (`linear_rows`), which widens
-# the weights in registers: 100-130 GFLOP/s on two cores from 8 rows on, where the widened BLAS
-# product reaches 25-50 at 8-16 rows (a prompt's tokens routed to one expert) and draws level at
-# about 128 (`python tools/rows_probe.py --threads 2`).
+# the weights in registers: about 90-120 GFLOP/s on two cores from 4 rows on, where the widened
+# BLAS product reaches 9-30 at 4-16 rows (a prompt's tokens routed to one expert) and draws level
+# at about 128 (`python tools/matmul_probe.py --threads 2`; docs/benchmarks.md).
 NATIVE_ROWS = 128
 # A block of a weight widened at a time: bounds the temporary (an LM head of 151k rows is 1.2 GB
 # in fp32).
