@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Many-row products over quantized blocks: the integer kernels with 8-bit activations
-(`gemm_act8`) against decoding the matrix to bf16 and a bf16 GEMM, by row count.
+(`gemm_act8`) against decoding the matrix to bf16 and a bf16 GEMM, by row count. A third column
+multiplies tiles formed ahead of time (`gemm_tiles`, as the dense matrices are held): its lead
+over `gemm_act8`, which forms each expert's tiles per product, is what forming costs.
 
 Where the first is faster decides `--activations auto`'s row limit on CPUs with bf16 matrix
 instructions (kernels.AUTO_ACT8_ROWS); on CPUs without them the bf16 product is widened to fp32 as
@@ -44,10 +46,11 @@ def main(argv=None) -> int:
     exact = TorchKernels()
     out = {}
     print(f"threads {args.threads}; GFLOP/s, median of {args.rounds} alternating rounds\n")
-    print(f"{'weights':<20}{'rows':>6}{'deq+bf16':>11}{'gemm_act8':>11}{'act8 / deq':>12}")
+    print(f"{'weights':<20}{'rows':>6}{'deq+bf16':>11}{'gemm_act8':>11}{'held tiles':>12}{'act8 / deq':>12}")
     for name, n, k in SHAPES:
         qt = Q[name]
         raw = torch.from_numpy(random_rows(qt, n, k, 0, lo=-14, hi=-4))
+        tiles = m.tile_rows(raw, qt, k) if m.isa == "avx2" else None  # no tiles on the plain build
         for T in (int(t) for t in args.rows.split(",")):
             x = torch.randn(T, k)
 
@@ -56,16 +59,21 @@ def main(argv=None) -> int:
                 m.dequantize_into(raw, qt, w)
                 return exact.linear(x.bfloat16(), w)  # as prefill multiplies (widened to fp32 where that is faster)
 
-            times = {"deq+bf16": [], "gemm_act8": []}
+            paths = [("deq+bf16", deq), ("gemm_act8", lambda: m.gemm_act8(raw, qt, x))]
+            if tiles is not None:
+                paths.append(("held tiles", lambda: m.gemm_tiles(tiles, qt, x)))
+            times = {label: [] for label, _ in paths}
             for _ in range(args.rounds):
-                for label, fn in (("deq+bf16", deq), ("gemm_act8", lambda: m.gemm_act8(raw, qt, x))):
+                for label, fn in paths:
                     t = time.perf_counter()
                     fn()
                     times[label].append(time.perf_counter() - t)
-            a, b = statistics.median(times["deq+bf16"]), statistics.median(times["gemm_act8"])
             flop = 2 * T * n * k
-            out[f"{name} {T}"] = {"deq_bf16_gflops": flop / a / 1e9, "gemm_act8_gflops": flop / b / 1e9}
-            print(f"{name + f' [{n}x{k}]':<20}{T:>6}{flop / a / 1e9:>11.1f}{flop / b / 1e9:>11.1f}{a / b:>11.2f}x")
+            rate = {label: flop / statistics.median(ts) / 1e9 for label, ts in times.items()}
+            out[f"{name} {T}"] = {f"{label.replace(' ', '_').replace('+', '_')}_gflops": v for label, v in rate.items()}
+            held = f"{rate['held tiles']:>12.1f}" if tiles is not None else f"{'-':>12}"
+            print(f"{name + f' [{n}x{k}]':<20}{T:>6}{rate['deq+bf16']:>11.1f}{rate['gemm_act8']:>11.1f}{held}"
+                  f"{rate['gemm_act8'] / rate['deq+bf16']:>11.2f}x")
     print(json.dumps({"tool": "gemm_act8_probe", "threads": args.threads, "results": out}))
     return 0
 

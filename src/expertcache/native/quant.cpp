@@ -999,6 +999,29 @@ inline __m256i pair_products(const uint8_t* w, const int32_t* bs) {
   return s;
 }
 
+// Eight rows of eight 4-byte groups (src[r], 32 bytes each) stored group by group: dst + 32 j
+// holds group j of rows 0..7 side by side. An 8 x 8 transpose of 32-bit lanes in registers, where
+// a copy per group took most of the time a prompt's expert product spent forming its tiles.
+inline void interleave8(const uint8_t* const* src, uint8_t* dst) {
+  __m256 v[8], t[8], s[8];
+  for (int r = 0; r < 8; ++r) v[r] = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[r])));
+  for (int r = 0; r < 8; r += 2) {
+    t[r] = _mm256_unpacklo_ps(v[r], v[r + 1]);      // r0 r1 of groups 0, 1 | 4, 5
+    t[r + 1] = _mm256_unpackhi_ps(v[r], v[r + 1]);  // groups 2, 3 | 6, 7
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3, then 4-7
+    const __m256 *a = t + 4 * h;
+    s[4 * h + 0] = _mm256_shuffle_ps(a[0], a[2], _MM_SHUFFLE(1, 0, 1, 0));  // group 0 | 4
+    s[4 * h + 1] = _mm256_shuffle_ps(a[0], a[2], _MM_SHUFFLE(3, 2, 3, 2));  // group 1 | 5
+    s[4 * h + 2] = _mm256_shuffle_ps(a[1], a[3], _MM_SHUFFLE(1, 0, 1, 0));  // group 2 | 6
+    s[4 * h + 3] = _mm256_shuffle_ps(a[1], a[3], _MM_SHUFFLE(3, 2, 3, 2));  // group 3 | 7
+  }
+  for (int j = 0; j < 4; ++j) {
+    _mm256_storeu_ps(reinterpret_cast<float*>(dst + 32 * j), _mm256_permute2f128_ps(s[j], s[4 + j], 0x20));
+    _mm256_storeu_ps(reinterpret_cast<float*>(dst + 32 * (j + 4)), _mm256_permute2f128_ps(s[j], s[4 + j], 0x31));
+  }
+}
+
 constexpr int64_t kQ4KTile = 1184;
 
 void q4k_tiles(const uint8_t* rows, int64_t stride, int64_t nb, uint8_t* out) {
@@ -1014,8 +1037,11 @@ void q4k_tiles(const uint8_t* rows, int64_t stride, int64_t nb, uint8_t* out) {
         t[32 + j * 8 + r] = sc[j];
         t[96 + (j / 2) * 16 + r * 2 + j % 2] = m[j];
       }
-      for (int p = 0; p < 4; ++p)
-        for (int c = 0; c < 8; ++c) std::memcpy(t + 160 + p * 256 + c * 32 + r * 4, b + 16 + p * 32 + c * 4, 4);
+    }
+    for (int p = 0; p < 4; ++p) {
+      const uint8_t* src[8];
+      for (int r = 0; r < 8; ++r) src[r] = rows + r * stride + i * 144 + 16 + p * 32;
+      interleave8(src, t + 160 + p * 256);
     }
   }
 }
@@ -1084,13 +1110,15 @@ template <Ints32 INTS, int BYTES>
 void tiles_32(const uint8_t* rows, int64_t stride, int64_t nb, uint8_t* out) {
   for (int64_t i = 0; i < nb; ++i) {
     uint8_t* t = out + i * kTile32;
+    alignas(32) int8_t w[8][32];  // each row's weights as signed bytes
+    const uint8_t* src[8];
     for (int r = 0; r < 8; ++r) {
       const uint8_t* b = rows + r * stride + i * BYTES;
       std::memcpy(t + 2 * r, b, 2);
-      alignas(32) int8_t w[32];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(w), INTS(b));
-      for (int c = 0; c < 8; ++c) std::memcpy(t + 16 + c * 32 + r * 4, w + c * 4, 4);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w[r]), INTS(b));
+      src[r] = reinterpret_cast<const uint8_t*>(w[r]);
     }
+    interleave8(src, t + 16);
   }
 }
 
@@ -1127,6 +1155,7 @@ constexpr int64_t kQ6KTile = 2320;
 
 void q6k_tiles(const uint8_t* rows, int64_t stride, int64_t nb, uint8_t* out) {
   const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+  alignas(32) uint8_t rows_q[8][256];  // each row's six-bit values as bytes, in order
   for (int64_t i = 0; i < nb; ++i) {
     uint8_t* t = out + i * kQ6KTile;
     for (int r = 0; r < 8; ++r) {
@@ -1137,7 +1166,7 @@ void q6k_tiles(const uint8_t* rows, int64_t stride, int64_t nb, uint8_t* out) {
         t[16 + j * 8 + r] = sc[j];
         t[144 + (j / 2) * 16 + r * 2 + j % 2] = sc[j];
       }
-      alignas(32) uint8_t q[256];
+      uint8_t* q = rows_q[r];
       for (int h = 0; h < 2; ++h) {
         const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + h * 32));
         for (int s = 0; s < 4; ++s) {
@@ -1147,7 +1176,11 @@ void q6k_tiles(const uint8_t* rows, int64_t stride, int64_t nb, uint8_t* out) {
           _mm256_store_si256(reinterpret_cast<__m256i*>(q + h * 128 + s * 32), _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
         }
       }
-      for (int g = 0; g < 64; ++g) std::memcpy(t + 272 + g * 32 + r * 4, q + g * 4, 4);
+    }
+    for (int m = 0; m < 8; ++m) {
+      const uint8_t* src[8];
+      for (int r = 0; r < 8; ++r) src[r] = rows_q[r] + m * 32;
+      interleave8(src, t + 272 + m * 256);
     }
   }
 }
@@ -1396,6 +1429,7 @@ void tile_products(const Tiling& tiling, const uint8_t* W, int64_t stride, bool 
       if (!formed) {
         for (int64_t g = g0; g < g1; ++g) tiling.form(W + g * 8 * stride, stride, nb, buf.data() + (g - g0) * tile);
         src = buf.data();
+        for (int64_t b = g1 * 8 * stride; b < std::min(end, g1 + per) * 8 * stride; b += 64) __builtin_prefetch(W + b);
       }
       for (int64_t t = 0; t < T; t += 4) {
         const int n = static_cast<int>(std::min<int64_t>(4, T - t));
