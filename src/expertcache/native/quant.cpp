@@ -1000,8 +1000,8 @@ inline __m256i pair_products(const uint8_t* w, const int32_t* bs) {
 }
 
 // Eight rows of eight 4-byte groups (src[r], 32 bytes each) stored group by group: dst + 32 j
-// holds group j of rows 0..7 side by side. An 8 x 8 transpose of 32-bit lanes in registers, where
-// a copy per group took most of the time a prompt's expert product spent forming its tiles.
+// holds group j of rows 0..7 side by side. An 8 x 8 transpose of 32-bit lanes in registers
+// instead of a 4-byte copy per group: a prompt's expert products form their tiles per product.
 inline void interleave8(const uint8_t* const* src, uint8_t* dst) {
   __m256 v[8], t[8], s[8];
   for (int r = 0; r < 8; ++r) v[r] = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[r])));
@@ -1429,6 +1429,8 @@ void tile_products(const Tiling& tiling, const uint8_t* W, int64_t stride, bool 
       if (!formed) {
         for (int64_t g = g0; g < g1; ++g) tiling.form(W + g * 8 * stride, stride, nb, buf.data() + (g - g0) * tile);
         src = buf.data();
+        // Forming reads a chunk's rows block by block across its eight rows, an order the
+        // hardware prefetcher follows late: the next chunk is asked for while this one is used.
         for (int64_t b = g1 * 8 * stride; b < std::min(end, g1 + per) * 8 * stride; b += 64) __builtin_prefetch(W + b);
       }
       for (int64_t t = 0; t < T; t += 4) {
