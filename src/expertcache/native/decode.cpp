@@ -95,16 +95,20 @@ inline float sum8(__m256 v) {
 }
 #endif
 
-// x [K] as `dot_widened` reads it (the tail past the last 16 in order), fp32; empty on the
-// builds that read x as it is.
+// x [K] into out [K] in fp32 as `dot_widened` reads it (the tail past the last 16 in order).
+inline void widen_ordered(const uint16_t* x, int64_t K, float* out) {
+  const int64_t K16 = K - K % 16;
+  for (int64_t i = 0; i < K; ++i) out[i < K16 ? i - i % 16 + (i % 2) * 8 + (i % 16) / 2 : i] = widen(x[i]);
+}
+
+// x [K] held as `widen_ordered` writes it; empty on the builds that read x as it is.
 struct Widened {
   std::vector<float> v;
   Widened() = default;
   Widened(const uint16_t* x, int64_t K) {
 #if defined(EXPERTCACHE_AVX2_DOT)
     v.resize(K);
-    const int64_t K16 = K - K % 16;
-    for (int64_t i = 0; i < K; ++i) v[i < K16 ? i - i % 16 + (i % 2) * 8 + (i % 16) / 2 : i] = widen(x[i]);
+    widen_ordered(x, K, v.data());
 #else
     (void)x, (void)K;
 #endif
@@ -254,10 +258,7 @@ torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& w) {
 #if defined(EXPERTCACHE_AVX2_DOT)
   std::vector<float> X(T * K);
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const Widened row(Xb + t * K, K);
-      std::memcpy(X.data() + t * K, row.v.data(), K * sizeof(float));
-    }
+    for (int64_t t = begin; t < end; ++t) widen_ordered(Xb + t * K, K, X.data() + t * K);
   });
   at::parallel_for(0, (N + 2) / 3, 4, [&](int64_t begin, int64_t end) {
     const int64_t n_end = std::min(N, end * 3);
