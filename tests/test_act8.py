@@ -471,7 +471,7 @@ def test_dense_blocks_interleaved_for_the_kernels_give_the_same_bits(monkeypatch
     want, blocks = run()
     assert not any(b.tiled for b in blocks)
     assert torch.equal(got, want)
-    tiles = QuantTensor(torch.zeros(1, 1184, dtype=torch.uint8), Q.Q4_K, (8, 256), tiled=True)
+    tiles = QuantTensor(torch.zeros(1, 1152, dtype=torch.uint8), Q.Q4_K, (8, 256), tiled=True)
     for use in (lambda: tiles.rows(0, 8), lambda: tiles.take(torch.tensor([0])), lambda: QuantTensor.cat([tiles])):
         with pytest.raises(TypeError, match="tiles"):  # the file's rows are not there to slice
             use()

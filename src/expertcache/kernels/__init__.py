@@ -62,8 +62,8 @@ ACTIVATIONS_CHOICES = ("auto", "exact", "q8")
 # faster here: Q4_K 1.9x faster at 12 rows, even at 20; Q8_0 even at 10), and "every row count".
 AUTO_ACT8_ROWS = 8
 ALL_ROWS = 1 << 62
-# The types whose eight-row tiles (`Kernels.tiles`) take about as many bytes as their rows: Q4_K
-# (1184 bytes for eight rows' 1152) and Q8_0 (the same 272). The others' tiles are wider (Q6_K's
+# The types whose eight-row tiles (`Kernels.tiles`) take exactly as many bytes as their rows: Q4_K
+# (1152 bytes for eight rows' super-blocks) and Q8_0 (272 for eight rows' blocks). The others' tiles are wider (Q6_K's
 # six-bit values as bytes, the 4/5-bit 32-weight types as bytes), so a decode step would read
 # more; their tiles are formed per product, for prefill, instead.
 TILED_TYPES = (Q.Q4_K, Q.Q8_0)

@@ -974,27 +974,33 @@ struct Tiling {
 };
 
 #if defined(EXPERTCACHE_AVX2)
-// Q4_K rows interleaved eight at a time, for many-row products. One super-block column of eight
-// rows (1184 bytes): their d and dmin (fp16, 2 x 16 bytes), the eight sub-block scales of each
-// row (64 bytes, [sub-block][row]), their minimums in pairs ([pair][row][2], 64 bytes), then the
-// nibbles, for each 32-byte run p and each 4-byte group c of it, the eight rows' 4 bytes side by
-// side ([p][c][row][4], 1024 bytes). One 32-byte load then holds 8 weights of each of the eight
-// rows, so one activation group of 4 (broadcast) meets eight rows at once and each int32 lane of
-// a sum is one row's: the block's integers come out whole per row, as `rows_q45_k` forms them,
+// Q4_K rows interleaved eight at a time. One super-block column of eight rows takes the 1152
+// bytes their blocks take: their d and dmin (fp16, 2 x 16 bytes), their twelve packed scale bytes
+// as three 4-byte words side by side ([word][row][4], 96 bytes), then the nibbles, for each
+// 32-byte run p and each 4-byte group c of it, the eight rows' 4 bytes side by side
+// ([p][c][row][4], 1024 bytes). One 32-byte load then holds 8 weights of each of the eight rows,
+// so one activation group of 4 (broadcast) meets eight rows at once and each int32 lane of a sum
+// is one row's; the scales unpack in registers, each row's in its own lane (`k_scales`' steps,
+// eight rows at once). The block's integers come out whole per row, as `rows_q45_k` forms them,
 // and the float steps (`AccQ45`) are the same, so each row's result is bit for bit the one-row
-// product's. The tiles are formed from the file's rows when a product starts (`q4k_tiles`).
+// product's. Being no larger than the rows, the tiles can be held in place of them (dense
+// matrices, expert slots); else they are formed when a product starts (`q4k_tiles`).
+
+// The activations' sums bs[2j] and bs[2j + 1] (each fits 16 bits) as the 16-bit pair of every
+// 32-bit lane, for a multiply-add with each row's two values in its lane.
+inline __m256i sum_pair(const int32_t* bs, int j) {
+  return _mm256_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(static_cast<uint16_t>(bs[2 * j + 1])) << 16) |
+                                                static_cast<uint16_t>(bs[2 * j])));
+}
+
 // Eight rows' products of pairs: for j < N, the rows' two 8-bit values at w[j][row][0..1]
-// (widened, signed or not) times the activations' sums bs[2j] and bs[2j + 1] (each fits 16
-// bits), added up: one int32 lane per row.
+// (widened, signed or not) times `sum_pair(bs, j)`, added up: one int32 lane per row.
 template <int N, bool SIGNED>
 inline __m256i pair_products(const uint8_t* w, const int32_t* bs) {
   __m256i s = _mm256_setzero_si256();
   for (int j = 0; j < N; ++j) {
-    const int32_t pair = static_cast<int32_t>((static_cast<uint32_t>(static_cast<uint16_t>(bs[2 * j + 1])) << 16) |
-                                              static_cast<uint16_t>(bs[2 * j]));
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * j));
-    s = _mm256_add_epi32(s, _mm256_madd_epi16(SIGNED ? _mm256_cvtepi8_epi16(v) : _mm256_cvtepu8_epi16(v),
-                                              _mm256_set1_epi32(pair)));
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(SIGNED ? _mm256_cvtepi8_epi16(v) : _mm256_cvtepu8_epi16(v), sum_pair(bs, j)));
   }
   return s;
 }
@@ -1022,7 +1028,7 @@ inline void interleave8(const uint8_t* const* src, uint8_t* dst) {
   }
 }
 
-constexpr int64_t kQ4KTile = 1184;
+constexpr int64_t kQ4KTile = 1152;
 
 void q4k_tiles(const uint8_t* rows, int64_t stride, int64_t nb, uint8_t* out) {
   for (int64_t i = 0; i < nb; ++i) {
@@ -1031,19 +1037,32 @@ void q4k_tiles(const uint8_t* rows, int64_t stride, int64_t nb, uint8_t* out) {
       const uint8_t* b = rows + r * stride + i * 144;
       std::memcpy(t + 2 * r, b, 2);
       std::memcpy(t + 16 + 2 * r, b + 2, 2);
-      uint8_t sc[8], m[8];
-      k_scales(b + 4, sc, m);
-      for (int j = 0; j < 8; ++j) {
-        t[32 + j * 8 + r] = sc[j];
-        t[96 + (j / 2) * 16 + r * 2 + j % 2] = m[j];
-      }
+      for (int k = 0; k < 3; ++k) std::memcpy(t + 32 + 32 * k + 4 * r, b + 4 + 4 * k, 4);
     }
     for (int p = 0; p < 4; ++p) {
       const uint8_t* src[8];
       for (int r = 0; r < 8; ++r) src[r] = rows + r * stride + i * 144 + 16 + p * 32;
-      interleave8(src, t + 160 + p * 256);
+      interleave8(src, t + 128 + p * 256);
     }
   }
+}
+
+// Shuffles of the bytes of each 32-bit lane into its two 16-bit halves, widened: byte b into both
+// (mask b, for b < 4), or bytes 0 and 1 (mask 4) or 2 and 3 (mask 5) into the low and high half.
+struct LaneMasks {
+  alignas(32) uint8_t m[6][32];
+  LaneMasks() {
+    for (int k = 0; k < 6; ++k)
+      for (int i = 0; i < 32; ++i) {
+        const int lane = i / 4 % 4, half = i % 4 / 2, lo = k < 4 ? k : 2 * (k - 4), hi = k < 4 ? k : lo + 1;
+        m[k][i] = i % 2 ? 0x80 : static_cast<uint8_t>(4 * lane + (half ? hi : lo));
+      }
+  }
+};
+const LaneMasks kLaneMasks;
+
+inline __m256i lane_bytes16(__m256i v, int mask) {
+  return _mm256_shuffle_epi8(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(kLaneMasks.m[mask])));
 }
 
 inline __m256 half8(const uint8_t* p) {
@@ -1057,6 +1076,19 @@ inline __m256 half8(const uint8_t* p) {
 }
 
 // R activation rows (R <= 4) against one tile column of eight weight rows: out[t * 8 + row].
+// Four of each row's scale bytes of a tile, unpacked in lane r as `k_scales` unpacks them for row
+// r: scales 0-3 (which = 0), minimums 0-3 (1), scales 4-7 (2) or minimums 4-7 (3). Computed where
+// used, from the tile's words (in the first-level cache), so that few registers stay live.
+inline __m256i q4k_tile_scales(const uint8_t* tl, int which) {
+  const auto word = [tl](int k) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tl + 32 + 32 * k)); };
+  const int k = which % 2;  // the word of the scales (0) or of the minimums (1)
+  const __m256i lo6 = _mm256_set1_epi8(0x3f);
+  if (which < 2) return _mm256_and_si256(word(k), lo6);
+  const __m256i w2 = word(2), m4 = _mm256_set1_epi8(15), lo2 = _mm256_set1_epi8(3);
+  const __m256i low = k == 0 ? _mm256_and_si256(w2, m4) : _mm256_and_si256(_mm256_srli_epi32(w2, 4), m4);
+  return _mm256_or_si256(low, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(word(k), 6), lo2), 4));
+}
+
 template <int R>
 void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out) {
   __m256 acc[R], mins[R];
@@ -1070,7 +1102,7 @@ void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out)
       // Eight groups of 4 add up to at most 8 x 2 x 15 x 127 in each 16-bit lane: no overflow.
       __m256i s0[R], s1[R];
       for (int t = 0; t < R; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
-      const uint8_t* q = tl + 160 + p * 256;
+      const uint8_t* q = tl + 128 + p * 256;
       for (int c = 0; c < 8; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 32));
         const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -1083,15 +1115,21 @@ void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out)
           s1[t] = _mm256_add_epi16(s1[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
         }
       }
-      const __m128i c0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tl + 32 + 16 * p));
-      const __m128i c1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tl + 40 + 16 * p));
-      const __m256i sc0 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(c0, c0)), sc1 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(c1, c1));
+      const __m256i sc = q4k_tile_scales(tl, p < 2 ? 0 : 2);  // sub-blocks 2p and 2p + 1
+      const __m256i sc0 = lane_bytes16(sc, 2 * (p % 2)), sc1 = lane_bytes16(sc, 2 * (p % 2) + 1);
       for (int t = 0; t < R; ++t)
         sum[t] = _mm256_add_epi32(sum[t], _mm256_add_epi32(_mm256_madd_epi16(s0[t], sc0), _mm256_madd_epi16(s1[t], sc1)));
     }
     const __m256 d = half8(tl), dmin = half8(tl + 16);
     for (int t = 0; t < R; ++t) {
-      const __m256i msum = pair_products<4, false>(tl + 96, a[t]->bsum32.data() + i * 8);
+      // The minimums in pairs (2j, 2j + 1), 16 bits each, against the activations' sums of 32.
+      const int32_t* bs = a[t]->bsum32.data() + i * 8;
+      __m256i msum = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h) {
+        const __m256i m = q4k_tile_scales(tl, 1 + 2 * h);
+        for (int j = 0; j < 2; ++j)
+          msum = _mm256_add_epi32(msum, _mm256_madd_epi16(lane_bytes16(m, 4 + j), sum_pair(bs, 2 * h + j)));
+      }
       const __m256 ad = _mm256_set1_ps(a[t]->d[i]);
       acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(ad, d), _mm256_cvtepi32_ps(sum[t])));
       mins[t] = _mm256_add_ps(mins[t], _mm256_mul_ps(_mm256_mul_ps(ad, dmin), _mm256_cvtepi32_ps(msum)));
