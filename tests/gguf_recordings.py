@@ -12,6 +12,7 @@ import torch
 
 import expertcache
 from expertcache import CacheConfig
+from expertcache.kernels.quant_native import load_quant_native
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,3 +61,36 @@ def check_cache_independence(fixtures: Path, name: str, dtype: str, tokens: int,
         assert torch.equal(got, want), cache
         assert gen == want_gen, cache
         assert tel["total"]["copied_experts"] > 0, cache
+
+
+# Slot fillings: once (resident, the RAM store), where tiles are formed; and on every miss (disk).
+SLOT_FILLS = {"resident": CacheConfig(mode="resident"), "ram": CacheConfig(store="ram", experts=8),
+              "disk": CacheConfig(store="disk", experts=8)}
+
+
+def check_slots_hold_the_files_bytes(path: Path, layer: int, fill: str) -> list:
+    """A resident expert's slot holds each matrix as the file's bytes, or, where the kernels read
+    its type as tiles of eight rows and the slot is filled once (`SLOT_FILLS`), those bytes
+    interleaved by the kernels' own `tile_rows`; a store read on every miss keeps the file's
+    bytes. Returns the matrix formats of MoE layer `layer`."""
+    import gguf
+
+    cache = SLOT_FILLS[fill]
+    model = expertcache.load(path, cache=cache)
+    model.logits(list(range(1, 17)))
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    k = model.net.kernels
+    for fmt in model.experts.formats.values():
+        for m in fmt.matrices:
+            assert m.tiled == (fill != "disk" and k.holds_tiles(m.storage, m.shape)), m
+    key = model.experts.residency.resident_keys()[-1]  # the last layer's, in a cache of fewer slots
+    fmt = model.experts.formats[key.layer]
+    row = model.experts.pool[model.experts.residency.slot_of(key)]
+    for m in fmt.matrices:
+        name = f"blk.{key.layer}.ffn_{m.name}_exps.weight"
+        want = torch.from_numpy(np.asarray(tensors[name].data[key.expert]).copy())
+        want = want.reshape(-1).view(torch.uint8).view(m.shape[0], -1)
+        if m.tiled:
+            want = load_quant_native().tile_rows(want, int(m.storage), m.shape[1])
+        assert bytes(row[m.offset: m.offset + m.nbytes].numpy()) == bytes(want.reshape(-1).numpy()), m
+    return list(model.experts.formats[layer].matrices)

@@ -192,6 +192,47 @@ def test_an_act8_wave_is_its_one_row_products(native, types, act):
                        with_threads(2, lambda: native.experts(x, G, U, Dn, *qtypes, act, act8=True)))
 
 
+TILED_WAVES = [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q4_K", "Q4_K"), ("Q8_0", "Q8_0", "Q5_0")]
+
+
+@pytest.mark.parametrize("types", TILED_WAVES, ids=["-".join(t) for t in TILED_WAVES])
+def test_a_wave_held_as_tiles_gives_the_rows_bits(native, types):
+    """Expert slots may hold Q4_K and Q8_0 matrices as `tile_rows`'s tiles: a wave with any of
+    its matrix kinds so held gives the bits of the file's rows, in rank rows too. The portable
+    build has no tiles and refuses them."""
+    qtypes = [Q[t] for t in types]
+    n = 5
+    G = [weights(qtypes[0], I, D, seed=10 + e)[0] for e in range(n)]
+    U = [weights(qtypes[1], I, D, seed=40 + e)[0] for e in range(n)]
+    Dn = [weights(qtypes[2], D, I, seed=70 + e)[0] for e in range(n)]
+    x = vector(D, seed=1)
+    if native.isa != "avx2":
+        with pytest.raises(RuntimeError, match="tiles need act8, a type with tiles on this build"):
+            native.experts(x, [g.reshape(I // 8, -1) for g in G], U, Dn, *qtypes, "silu", act8=True,
+                           tiled=[True, False, False])
+        return
+    want = native.experts(x, G, U, Dn, *qtypes, "silu", act8=True)
+    tiled = [t in kernels.TILED_TYPES for t in qtypes]
+    held = [[native.tile_rows(w, q, w_cols) if t else w for w in ws]
+            for ws, q, t, w_cols in zip((G, U, Dn), qtypes, tiled, (D, D, I))]
+    assert any(tiled)
+    assert torch.equal(native.experts(x, *held, *qtypes, "silu", act8=True, tiled=tiled), want)
+    for one in range(3):  # one kind held as tiles at a time
+        flags = [t and j == one for j, t in enumerate(tiled)]
+        mats = [h if f else w for h, w, f in zip(held, (G, U, Dn), flags)]
+        assert torch.equal(native.experts(x, *mats, *qtypes, "gelu_pytorch_tanh", act8=True, tiled=flags),
+                           native.experts(x, G, U, Dn, *qtypes, "gelu_pytorch_tanh", act8=True))
+    out = torch.zeros(n + 1, D)
+    native.experts(x, *held, *qtypes, "silu", act8=True, out=out, rows=[5, 0, 3, 1, 2], tiled=tiled)
+    assert torch.equal(out[[5, 0, 3, 1, 2]], want)
+    with pytest.raises(RuntimeError, match="tiles need act8"):
+        native.experts(x, *held, *qtypes, "silu", act8=False, tiled=tiled)
+    with pytest.raises(RuntimeError, match="expected contiguous uint8 tiles"):
+        native.experts(x, G, U, Dn, *qtypes, "silu", act8=True, tiled=tiled)
+    with pytest.raises(RuntimeError, match="none or three flags"):
+        native.experts(x, *held, *qtypes, "silu", act8=True, tiled=[True])
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
 def test_products_in_the_inputs_dtype_are_the_fp32_ones_rounded(native, name):
     # `in_dtype`: a decode step's row [1, K] in bf16 gives [1, N] in bf16, rounded as .to rounds the
@@ -451,27 +492,32 @@ def _blocks(obj, out: list, depth: int = 0) -> list:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dense_blocks_interleaved_for_the_kernels_give_the_same_bits(monkeypatch, dtype):
     """Q4_K and Q8_0 matrices that only the integer kernels multiply are held as tiles of eight
-    rows; prompt and decode logits equal those of the file's rows bit for bit."""
+    rows, dense ones and experts in slots filled once; prompt and decode logits equal those of the
+    file's rows bit for bit."""
     path = FIXTURES / "qwen2_moe-Q4_K_M.gguf"
     ids = record(FIXTURES, "qwen2_moe-Q4_K_M")["heldout"]["tokens"][:30]
 
     def run():
-        m = expertcache.load(path, dtype=dtype, activations="q8")
+        m = expertcache.load(path, dtype=dtype, activations="q8", cache=CacheConfig(store="ram", experts=6))
         s = m.new_session()
         out = [m.prefill(s, ids[:20], ubatch=8, all_logits=True)] + [m.prefill(s, [t], all_logits=True) for t in ids[20:]]
-        return torch.cat(out), _blocks(m.net.weights, [])
+        experts = [mf for f in m.experts.formats.values() for mf in f.matrices]
+        return torch.cat(out), _blocks(m.net.weights, []), experts
 
-    got, blocks = run()
+    got, blocks, experts = run()
     tiled = [b for b in blocks if b.tiled]
     assert {b.qtype for b in tiled} <= set(kernels.TILED_TYPES)
+    assert {m.storage for m in experts if m.tiled} <= set(kernels.TILED_TYPES)
     if load_quant_native().isa == "avx2":
         assert tiled and all(b.raw.shape[0] * 8 == b.shape[0] for b in tiled)
         assert not any(b.tiled for b in blocks if b is not None and b.qtype not in kernels.TILED_TYPES)
-    monkeypatch.setattr(kernels.Kernels, "tiles", lambda self, w: w)
-    want, blocks = run()
-    assert not any(b.tiled for b in blocks)
+        assert any(m.tiled for m in experts)
+    monkeypatch.setattr(kernels.Kernels, "holds_tiles", lambda self, storage, shape: False)
+    want, blocks, experts = run()
+    assert not any(b.tiled for b in blocks) and not any(m.tiled for m in experts)
     assert torch.equal(got, want)
     tiles = QuantTensor(torch.zeros(1, 1152, dtype=torch.uint8), Q.Q4_K, (8, 256), tiled=True)
-    for use in (lambda: tiles.rows(0, 8), lambda: tiles.take(torch.tensor([0])), lambda: QuantTensor.cat([tiles])):
+    assert tiles.rows(0, 8).raw.shape == (1, 1152) and tiles.rows(0, 8).tiled  # whole tiles slice as tiles
+    for use in (lambda: tiles.rows(0, 4), lambda: tiles.take(torch.tensor([0])), lambda: QuantTensor.cat([tiles])):
         with pytest.raises(TypeError, match="tiles"):  # the file's rows are not there to slice
             use()

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import expertcache
-from gguf_recordings import check_cache_independence, check_token_ids, llama_logits, record
+from gguf_recordings import (SLOT_FILLS, check_cache_independence, check_slots_hold_the_files_bytes, check_token_ids,
+                             llama_logits, record)
 from conftest import assert_one_line_error, run_cli, save_checkpoint
 from expertcache import CacheConfig
 from expertcache.errors import ExpertCacheError
@@ -137,20 +138,11 @@ def test_results_never_depend_on_the_cache(dtype):
     check_cache_independence(FIXTURES, Q8, dtype, tokens=60, prefill=40, ubatch=16)
 
 
-def test_expert_slots_hold_the_files_bytes():
-    # The fused gate_up and the down matrix of an expert, as the file's Q8_0 blocks.
-    import gguf
-
-    path = FIXTURES / f"{Q8}.gguf"
-    model = expertcache.load(path, cache=CacheConfig(mode="resident"))
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    fmt = model.experts.formats[1]
-    assert [(m.name, m.storage.name) for m in fmt.matrices] == [("gate_up", "Q8_0"), ("down", "Q8_0")]
-    slot = model.experts.residency.slot_of(expertcache.tiers.policy.ExpertKey(1, 3))
-    row = model.experts.pool[slot]
-    for m in fmt.matrices:
-        want = np.asarray(tensors[f"blk.1.ffn_{m.name}_exps.weight"].data[3]).reshape(-1).view(np.uint8)
-        assert bytes(row[m.offset: m.offset + m.nbytes].numpy()) == want.tobytes()
+@pytest.mark.parametrize("fill", SLOT_FILLS)
+def test_expert_slots_hold_the_files_bytes(fill):
+    # The fused gate_up and the down matrix of an expert, as the file's Q8_0 blocks or their tiles.
+    matrices = check_slots_hold_the_files_bytes(FIXTURES / f"{Q8}.gguf", 1, fill)
+    assert [(m.name, m.storage.name) for m in matrices] == [("gate_up", "Q8_0"), ("down", "Q8_0")]
 
 
 def test_commands_run_on_a_gguf(capsys, tmp_path):

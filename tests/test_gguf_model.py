@@ -16,7 +16,9 @@ import torch
 
 import expertcache
 from conftest import CountingModule
-from expertcache import CacheConfig
+from expertcache import CacheConfig, kernels
+from gguf.constants import GGMLQuantizationType as Q
+from gguf_recordings import SLOT_FILLS, check_slots_hold_the_files_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
 MODELS = ["qwen3_moe-mix", "qwen2_moe-Q4_K_M", "olmoe-Q8_0", "mixtral-Q8_0"]
@@ -130,20 +132,13 @@ def test_quantized_results_never_depend_on_the_cache(name, dtype):
                                         for l, c in t["layers"].items())
 
 
-def test_expert_slots_hold_the_files_bytes():
-    import gguf
-
-    path = FIXTURES / "qwen3_moe-mix.gguf"
-    model = expertcache.load(path, cache=CacheConfig(mode="resident"))
-    reader = gguf.GGUFReader(path)
-    tensors = {t.name: t for t in reader.tensors}
-    fmt = model.experts.formats[0]
-    assert [(m.name, m.storage.name) for m in fmt.matrices] == [("gate", "Q4_K"), ("up", "Q4_K"), ("down", "Q6_K")]
-    slot = model.experts.residency.slot_of(expertcache.tiers.policy.ExpertKey(0, 5))
-    row = model.experts.pool[slot]
-    for m in fmt.matrices:
-        want = np.asarray(tensors[f"blk.0.ffn_{m.name}_exps.weight"].data[5]).reshape(-1).view(np.uint8)
-        assert bytes(row[m.offset: m.offset + m.nbytes].numpy()) == want.tobytes()
+@pytest.mark.parametrize("fill", SLOT_FILLS)
+def test_expert_slots_hold_the_files_bytes(fill):
+    matrices = check_slots_hold_the_files_bytes(FIXTURES / "qwen3_moe-mix.gguf", 0, fill)
+    assert [(m.name, m.storage.name) for m in matrices] == [("gate", "Q4_K"), ("up", "Q4_K"), ("down", "Q6_K")]
+    if fill != "disk" and kernels.select("auto", torch.device("cpu"), torch.bfloat16, True).holds_tiles(
+            Q.Q4_K, matrices[0].shape):  # this machine's kernels hold Q4_K as tiles: the check sees them
+        assert [m.tiled for m in matrices] == [True, True, False]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -190,8 +185,10 @@ def test_native_decode_multiplies_the_blocks_and_never_depends_on_the_cache(monk
 
 def test_native_prefill_dequantizes_to_the_same_bits_as_torch():
     path = FIXTURES / "qwen3_moe-mix.gguf"
-    torch_model, native_model = expertcache.load(path, kernels="torch"), expertcache.load(path, kernels="native")
-    # Many-row products dequantize each expert: the native decoder and torch's agree bitwise.
+    # Many-row products with exact activations dequantize each expert (with 8-bit ones they take
+    # the integer kernels): the native decoder and torch's agree bitwise.
+    torch_model = expertcache.load(path, kernels="torch", activations="exact")
+    native_model = expertcache.load(path, kernels="native", activations="exact")
     layer_views = native_model.experts.views[0]
     for slot in range(native_model.experts.capacity)[:4]:
         for part in ("gate", "up", "down"):
@@ -239,7 +236,8 @@ def test_pack_writes_each_expert_as_one_range_with_the_same_results(tmp_path, ca
     packed = expertcache.load(out, cache=CacheConfig(mode="cache", experts=8, store="disk"))
     assert torch.equal(packed.logits(PROMPT), want)
     # the same formats, now one range per expert: a run of four missing experts is one read
-    assert packed.experts.formats == expertcache.load(src).experts.formats
+    assert packed.experts.formats == expertcache.load(src, cache=CacheConfig(mode="cache", experts=8,
+                                                                             store="disk")).experts.formats
     fresh = expertcache.load(out, cache=CacheConfig(mode="cache", experts=8, store="disk"))
     store, before = fresh.experts.store, fresh.experts.store.reads
     list(fresh.experts.acquire(1, [0, 1, 2, 3]))

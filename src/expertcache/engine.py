@@ -483,8 +483,8 @@ def _assemble(path: Path, options: LoadOptions, kernels: Kernels | None,
         kernels = select_kernels(options.kernels, options.device, dtype, quantized, options.activations)
     dense = load_dense(opened, options.device, dtype, kernels.multiplies_blocks, kernels.tiles)
     if experts is None:
-        experts = build_experts(opened.experts, options.cache, options.device, dtype)
+        experts = build_experts(opened.experts, options.cache, options.device, dtype, kernels)
     else:
-        experts.set_store(make_store_for(opened.experts, experts.config, options.device, dtype))
+        experts.set_store(make_store_for(opened.experts, experts.config, options.device, dtype, kernels))
     net = Decoder(opened.cfg, dense, experts, kernels, options.device, dtype)
     return opened.cfg, net, experts

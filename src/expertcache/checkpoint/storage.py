@@ -60,7 +60,11 @@ class QuantTensor:
     tiled: bool = False
 
     def rows(self, start: int, stop: int) -> QuantTensor:
-        self._file_rows("rows")
+        """Rows start..stop-1; of tiles, only whole tiles (start and stop multiples of 8)."""
+        if self.tiled:
+            if start % 8 or stop % 8:
+                raise TypeError(f"QuantTensor.rows: rows {start}..{stop} split tiles of eight rows")
+            return QuantTensor(self.raw[start // 8: stop // 8], self.qtype, (stop - start, self.shape[1]), True)
         return QuantTensor(self.raw[start:stop], self.qtype, (stop - start, self.shape[1]))
 
     def take(self, index: torch.Tensor) -> QuantTensor:

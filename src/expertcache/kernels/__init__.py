@@ -329,16 +329,23 @@ class Kernels:
         ones a bf16 matrix dequantized at load streams faster than decoding blocks to fp32."""
         return self.act8
 
+    def holds_tiles(self, storage, shape: tuple[int, int]) -> bool:
+        """Whether a quantized matrix is best held as tiles of eight rows (`quant.tile_rows`):
+        where every product of it takes the integer kernels and its type's tiles take exactly its
+        rows' bytes (`TILED_TYPES`). A one-row product reads them up to 1.4x faster than the
+        file's rows on AVX2 (`python tools/quant_gemv_probe.py`: `act8 tiles` against `native
+        act8`), with the same bits; a prompt's products skip forming them."""
+        return (self.act8_rows == ALL_ROWS and storage in TILED_TYPES and shape[0] % 8 == 0
+                and self.quant.isa == "avx2")
+
+    def tile_rows(self, raw: torch.Tensor, storage, cols: int) -> torch.Tensor:
+        return self.quant.tile_rows(raw, int(storage), cols)
+
     def tiles(self, w: QuantTensor) -> QuantTensor:
-        """`w` with its rows interleaved eight at a time (`quant.tile_rows`), where every product
-        of it takes the integer kernels and its type's tiles take no more room than its rows
-        (`TILED_TYPES`); else `w`. A one-row product reads them up to 1.4x faster than the file's
-        rows on AVX2 (`python tools/quant_gemv_probe.py`: `act8 tiles` against `native act8`),
-        with the same bits."""
-        if (self.act8_rows != ALL_ROWS or w.qtype not in TILED_TYPES or w.shape[0] % 8
-                or self.quant.isa != "avx2"):
+        """`w` as tiles where `holds_tiles` says so, else `w`."""
+        if not self.holds_tiles(w.qtype, w.shape):
             return w
-        return QuantTensor(self.quant.tile_rows(w.raw, int(w.qtype), w.shape[1]), w.qtype, w.shape, tiled=True)
+        return QuantTensor(self.tile_rows(w.raw, w.qtype, w.shape[1]), w.qtype, w.shape, tiled=True)
 
     def embedding(self, tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
         """Rows `tokens` [T] of an embedding table -> [T, D] in `dtype`; a quantized table's rows
@@ -451,8 +458,10 @@ class Kernels:
         """A quantized expert with its activations rounded to 8 bits (llama.cpp's numerics) on any
         number of rows: the integer kernels of the native one-row call, row by row, the
         intermediate in fp32, so each row is what that call gives it."""
-        def product(v: torch.Tensor, m) -> torch.Tensor:
-            return self.quant.gemm_act8(m.raw, int(m.qtype), v)  # [T, N] fp32
+        def product(v: torch.Tensor, m) -> torch.Tensor:  # [T, N] fp32; tiles held in the slot give the same bits
+            if m.tiled:
+                return self.quant.gemm_tiles(m.raw, int(m.qtype), v)
+            return self.quant.gemm_act8(m.raw, int(m.qtype), v)
 
         if isinstance(w.gate_up, QuantTensor):  # one call: the rows rounded once, each output the same
             I = w.gate.shape[0]
@@ -467,6 +476,8 @@ class Kernels:
         fp32, then rounded once to `dtype`)."""
         if isinstance(w, torch.Tensor):
             return w
+        if w.tiled:  # only the integer kernels read tiles (`holds_tiles`)
+            raise TypeError("Kernels.dense: the matrix is held as tiles, not the file's rows")
         from .dequant import dequantize
 
         return dequantize(w.raw, w.qtype, w.shape).to(dtype)
@@ -574,7 +585,8 @@ class NativeKernels(Kernels):
             # experts of a layer share one format, so the wave's types are the first's.
             return self.quant.experts(x, [w.gate.raw for _, w in wave], [w.up.raw for _, w in wave],
                                       [w.down.raw for _, w in wave], int(first.gate.qtype), int(first.up.qtype),
-                                      int(first.down.qtype), act, self.act8, True, out, rows or [])
+                                      int(first.down.qtype), act, self.act8, True, out, rows or [],
+                                      [first.gate.tiled, first.up.tiled, first.down.tiled])
         if not all(isinstance(w.gate_up, torch.Tensor) for _, w in wave):
             return None
         # Each expert's row is what it would be alone. Slot views are contiguous [2I, D] and

@@ -1679,14 +1679,64 @@ bool is_gelu(const std::string& act) {
   return act == "gelu_pytorch_tanh";
 }
 
+// One matrix kind of an expert wave as the call holds it: the file's rows ([N, row bytes]) or,
+// `tiled`, their tiles of eight rows (`tile_rows`, [N / 8, tile bytes], with the act8 rounding
+// only); `stride`: bytes per row or per tile row.
+struct Kind {
+  Format fmt;
+  ActDot ad = nullptr;
+  ActDot8 ad8 = nullptr;
+  Tile4 tile = nullptr;
+  int64_t stride = 0;
+};
+
+Kind kind_of(const std::vector<torch::Tensor>& ws, int64_t type, bool tiled, bool act8, int64_t N, int64_t K,
+             const char* what) {
+  Kind k{format_of(type)};
+  if (act8) {
+    k.ad = act_dot_of(type);
+    k.ad8 = act_dot8_of(type);
+  }
+  if (tiled) {
+    const Tiling tiling = tiling_of(type);
+    TORCH_CHECK(act8 && tiling.form && N % 8 == 0 && K % tiling.block == 0, what,
+                ": tiles need act8, a type with tiles on this build and a multiple of 8 rows");
+    k.tile = tiling.kern[0];
+    for (const auto& w : ws)
+      TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() &&
+                      w.size(0) == N / 8 && w.size(1) == K / tiling.block * tiling.bytes,
+                  what, ": expected contiguous uint8 tiles [", N / 8, ", ", K / tiling.block * tiling.bytes, "]");
+  } else {
+    for (const auto& w : ws) check_raw(w, k.fmt, K, what);
+  }
+  if (!ws.empty()) k.stride = ws[0].size(1);
+  return k;
+}
+
+// Rows [i, i + run) of one matrix (starting at `w`) times x (rounded as `a`; as floats `X` where
+// `a` is null), into out[0, run). Tiles take whole groups of eight rows: i and run are multiples
+// of 8 then.
+void kind_rows(const Kind& k, const uint8_t* w, int64_t i, int64_t run, const Act* a, const float* X, int64_t K,
+               float* out) {
+  if (k.tile) {
+    for (int64_t g = 0; g < run / 8; ++g) k.tile(w + (i / 8 + g) * k.stride, &a, K, out + 8 * g);
+  } else if (a) {
+    dot_rows_act(k.fmt, k.ad, k.ad8, w + i * k.stride, k.stride, run, *a, K, out);
+  } else {
+    for (int64_t r = 0; r < run; ++r) out[r] = row_dot(k.fmt, w + (i + r) * k.stride, X, K);
+  }
+}
+
 // A wave of gated experts on one token: for each expert e,
 //   g = gate[e] x, u = up[e] x (fp32), h = act(g) * u (fp32), y[e] = down[e] h (fp32),
 // act silu (SwiGLU) or gelu_pytorch_tanh (GeGLU).
 // gate[e], up[e]: raw rows [I, row bytes of D weights]; down[e]: raw rows [D, row bytes of I];
-// each matrix kind has one ggml type for the whole wave (all experts of a layer share a layout).
+// each matrix kind has one ggml type for the whole wave (all experts of a layer share a layout),
+// and with act8 may be held as tiles (`tiled`: gate, up, down), which give the rows' bits.
 // Returns [n, D] float32. Two parallel passes over every row of the wave, one for gate and up,
 // one for down; each row is one thread's fixed-order sum, so an expert's output does not depend
-// on the wave it runs in or on the thread count.
+// on the wave it runs in or on the thread count. Rows are handed out eight at a time where the
+// widths allow (tiles need it).
 // With `out` (fp32 [A, D]) and `rows` (one per expert), expert e's output goes to row rows[e] of
 // `out` instead, which is returned: a decode step's experts in their router ranks, for the decode
 // module's `combine`.
@@ -1694,54 +1744,48 @@ torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor
                       const std::vector<torch::Tensor>& ups, const std::vector<torch::Tensor>& downs,
                       int64_t gate_type, int64_t up_type, int64_t down_type, const std::string& act,
                       bool act8, bool in_dtype, const c10::optional<torch::Tensor>& out,
-                      const std::vector<int64_t>& rows) {
+                      const std::vector<int64_t>& rows, const std::vector<bool>& tiled) {
   const bool gelu = is_gelu(act);
   const torch::Tensor x = as_f32(one_row(x_in));
   TORCH_CHECK(gates.size() == ups.size() && ups.size() == downs.size(),
               "experts: expected as many gate, up and down matrices, got ", gates.size(), ", ", ups.size(), ", ",
               downs.size());
-  const Format fg = format_of(gate_type), fu = format_of(up_type), fd = format_of(down_type);
+  TORCH_CHECK(tiled.empty() || tiled.size() == 3, "tiled: expected none or three flags (gate, up, down)");
+  const auto is_tiled = [&tiled](int j) { return !tiled.empty() && tiled[j]; };
   const int64_t n = static_cast<int64_t>(gates.size()), D = x.size(0);
   rank_rows(out, rows, n, D);
   auto y = out.has_value() ? *out : torch::empty({n, D}, torch::kFloat32);
   if (n == 0) return out.has_value() ? y : finish(y, x_in, in_dtype);
-  const int64_t I = gates[0].size(0);
+  const int64_t I = is_tiled(0) ? gates[0].size(0) * 8 : gates[0].size(0);
+  const Kind kg = kind_of(gates, gate_type, is_tiled(0), act8, I, D, "gate"),
+             ku = kind_of(ups, up_type, is_tiled(1), act8, I, D, "up"),
+             kd = kind_of(downs, down_type, is_tiled(2), act8, D, I, "down");
   std::vector<const uint8_t*> G(n), U(n), Dn(n);
   for (int64_t e = 0; e < n; ++e) {
-    check_raw(gates[e], fg, D, "gate");
-    check_raw(ups[e], fu, D, "up");
-    check_raw(downs[e], fd, I, "down");
-    TORCH_CHECK(gates[e].size(0) == I && ups[e].size(0) == I && downs[e].size(0) == D,
+    TORCH_CHECK(gates[e].size(0) == gates[0].size(0) && ups[e].size(0) * (is_tiled(1) ? 8 : 1) == I &&
+                    downs[e].size(0) * (is_tiled(2) ? 8 : 1) == D,
                 "experts: expected gate and up [I, *] and down [D, *] with I = ", I, " and D = ", D);
     G[e] = gates[e].data_ptr<uint8_t>();
     U[e] = ups[e].data_ptr<uint8_t>();
     Dn[e] = downs[e].data_ptr<uint8_t>();
   }
-  const int64_t gstride = gates[0].size(1), ustride = ups[0].size(1), dstride = downs[0].size(1);
   const float* X = x.data_ptr<float>();
   std::vector<float> gu(n * 2 * I), h(n * I);
   // act8: x rounded once for each of gate's and up's partner formats, h once per expert for down's.
   Act ag, au;
   std::vector<Act> ah(act8 ? n : 0);
-  const ActDot ig = act8 ? act_dot_of(gate_type) : nullptr, iu = act8 ? act_dot_of(up_type) : nullptr,
-               id = act8 ? act_dot_of(down_type) : nullptr;
   if (act8) {
-    quantize_act(X, D, gate_type, ag, !ig);
-    quantize_act(X, D, up_type, au, !iu);
+    quantize_act(X, D, gate_type, ag, !kg.ad);
+    quantize_act(X, D, up_type, au, !ku.ad);
   }
-  const ActDot8 ig8 = act8 ? act_dot8_of(gate_type) : nullptr, iu8 = act8 ? act_dot8_of(up_type) : nullptr,
-                id8 = act8 ? act_dot8_of(down_type) : nullptr;
-  at::parallel_for(0, n * 2 * I, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end;) {  // one run of rows of one matrix at a time
+  // Work is handed out in units of eight rows where every run is whole eights, else row by row.
+  const int64_t u1 = I % 8 == 0 ? 8 : 1, u2 = D % 8 == 0 ? 8 : 1;
+  at::parallel_for(0, n * 2 * I / u1, std::max<int64_t>(1, 16 / u1), [&](int64_t b, int64_t e_) {
+    for (int64_t r = b * u1, end = e_ * u1; r < end;) {  // one run of rows of one matrix at a time
       const int64_t e = r / (2 * I), i = r % (2 * I);
       const bool g = i < I;
       const int64_t i0 = g ? i : i - I, run = std::min(end - r, I - i0);
-      const uint8_t* w = g ? G[e] + i0 * gstride : U[e] + i0 * ustride;
-      const int64_t stride = g ? gstride : ustride;
-      if (act8)
-        dot_rows_act(g ? fg : fu, g ? ig : iu, g ? ig8 : iu8, w, stride, run, g ? ag : au, D, gu.data() + r);
-      else
-        for (int64_t k = 0; k < run; ++k) gu[r + k] = row_dot(g ? fg : fu, w + k * stride, X, D);
+      kind_rows(g ? kg : ku, g ? G[e] : U[e], i0, run, act8 ? (g ? &ag : &au) : nullptr, X, D, gu.data() + r);
       r += run;
     }
   });
@@ -1754,17 +1798,14 @@ torch::Tensor experts(const torch::Tensor& x_in, const std::vector<torch::Tensor
   });
   if (act8)
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t e = begin; e < end; ++e) quantize_act(h.data() + e * I, I, down_type, ah[e], !id);
+      for (int64_t e = begin; e < end; ++e) quantize_act(h.data() + e * I, I, down_type, ah[e], !kd.ad);
     });
   float* Y = y.data_ptr<float>();
-  at::parallel_for(0, n * D, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end;) {  // one run of one expert's rows at a time
+  at::parallel_for(0, n * D / u2, std::max<int64_t>(1, 16 / u2), [&](int64_t b, int64_t e_) {
+    for (int64_t r = b * u2, end = e_ * u2; r < end;) {  // one run of one expert's rows at a time
       const int64_t e = r / D, i = r % D, run = std::min(end - r, D - i);
-      float* to = Y + (out.has_value() ? rows[e] * D + i : r);
-      if (act8)
-        dot_rows_act(fd, id, id8, Dn[e] + i * dstride, dstride, run, ah[e], I, to);
-      else
-        for (int64_t k = 0; k < run; ++k) to[k] = row_dot(fd, Dn[e] + (i + k) * dstride, h.data() + e * I, I);
+      kind_rows(kd, Dn[e], i, run, act8 ? &ah[e] : nullptr, h.data() + e * I, I,
+                Y + (out.has_value() ? rows[e] * D + i : r));
       r += run;
     }
   });
@@ -1803,8 +1844,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("experts", &experts, "a wave of gated experts (silu or gelu_pytorch_tanh) on one token from raw ggml rows: "
         "fp32 [n, D] (in_dtype: in x's dtype); x [D] or [1, D]; with out (fp32 [A, D]) and rows, expert e's output "
-        "in out[rows[e]]", py::arg("x"), py::arg("gates"), py::arg("ups"),
+        "in out[rows[e]]; tiled: gate, up and down held as tile_rows's tiles (act8 only)", py::arg("x"), py::arg("gates"), py::arg("ups"),
         py::arg("downs"), py::arg("gate_type"), py::arg("up_type"), py::arg("down_type"), py::arg("act") = "silu",
         py::arg("act8") = false, py::arg("in_dtype") = false, py::arg("out") = py::none(),
-        py::arg("rows") = std::vector<int64_t>{}, py::call_guard<py::gil_scoped_release>());
+        py::arg("rows") = std::vector<int64_t>{}, py::arg("tiled") = std::vector<bool>{},
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -7,6 +7,10 @@ differ (a quantized file may store `down` in another type on some layers), and e
 large as the largest. The cache copies these bytes and never interprets them; `expert_weights`
 makes typed views of a slot for the compute path.
 
+A quantized matrix may be held as the kernels' tiles of eight rows instead of the file's rows
+(`MatrixFormat.tiled`, chosen by a `Tiler`): the same bytes per matrix, interleaved when the
+store fills its rows (`store.convert`), so that every product reads them as they lie.
+
 Slots are padded so that every expert starts on the same byte alignment in every tier and mode
 (resident, staging, cache): the matrix kernels then see identically aligned operands and pick the
 same code paths, which bit-exactness across modes relies on.
@@ -14,7 +18,8 @@ same code paths, which bit-exactness across modes relies on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -25,19 +30,31 @@ SLOT_ALIGN_BYTES = 256
 Weight = torch.Tensor | QuantTensor | RowParts
 
 
+class Tiler(Protocol):
+    """Which quantized matrices the kernels read as tiles of eight rows, and how they are formed."""
+
+    def holds_tiles(self, storage: Storage, shape: tuple[int, int]) -> bool:
+        """Whether a matrix of this storage and shape is best held as tiles (which take exactly
+        its rows' bytes)."""
+
+    def tile_rows(self, raw: torch.Tensor, storage: Storage, cols: int) -> torch.Tensor:
+        """Rows [N, row bytes] uint8 as tiles [N / 8, tile bytes]."""
+
+
 @dataclass(frozen=True, slots=True)
 class MatrixFormat:
     name: str               # gate | up | down | gate_up
     storage: Storage
     shape: tuple[int, int]  # [rows, cols]
     offset: int             # bytes from the start of the expert
+    tiled: bool = False     # held as the kernels' tiles of eight rows (the same bytes, interleaved)
 
     @property
     def nbytes(self) -> int:
         return nbytes(self.storage, self.shape)
 
     def describe(self) -> str:
-        return f"{self.name} {storage_name(self.storage)} {list(self.shape)}"
+        return f"{self.name} {storage_name(self.storage)}{' tiled' if self.tiled else ''} {list(self.shape)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +86,11 @@ class ExpertFormat:
         return ExpertFormat.of([(m.name, m.storage if is_quantized(m.storage) else dtype, m.shape)
                                 for m in self.matrices])
 
+    def with_tiles(self, tiler: Tiler) -> ExpertFormat:
+        """The same expert with the matrices `tiler` holds as tiles marked so (same offsets)."""
+        return ExpertFormat(tuple(replace(m, tiled=is_quantized(m.storage) and tiler.holds_tiles(m.storage, m.shape))
+                                  for m in self.matrices))
+
     def matrix(self, name: str) -> MatrixFormat | None:
         return next((m for m in self.matrices if m.name == name), None)
 
@@ -96,7 +118,7 @@ class ExpertWeights:
 def _view(row: torch.Tensor, m: MatrixFormat) -> Weight:
     raw = row[m.offset: m.offset + m.nbytes]
     if is_quantized(m.storage):
-        return QuantTensor(raw.view(m.shape[0], -1), m.storage, m.shape)
+        return QuantTensor(raw.view(m.shape[0] // 8 if m.tiled else m.shape[0], -1), m.storage, m.shape, m.tiled)
     return raw.view(m.storage).view(m.shape)
 
 
@@ -113,6 +135,7 @@ def expert_weights(row: torch.Tensor, fmt: ExpertFormat) -> ExpertWeights:
     g, u = fmt.matrix("gate"), fmt.matrix("up")
     gate, up = _view(row, g), _view(row, u)
     gate_up = None
-    if g.storage == u.storage and g.shape == u.shape and u.offset == g.offset + g.nbytes:
-        gate_up = _view(row, MatrixFormat("gate_up", g.storage, (2 * g.shape[0], g.shape[1]), g.offset))
+    if g.storage == u.storage and g.shape == u.shape and g.tiled == u.tiled and u.offset == g.offset + g.nbytes:
+        # Tiles of eight rows: gate's followed by up's are the tiles of the two joined.
+        gate_up = _view(row, MatrixFormat("gate_up", g.storage, (2 * g.shape[0], g.shape[1]), g.offset, g.tiled))
     return ExpertWeights(gate, up, down, gate_up)

@@ -10,7 +10,10 @@ one layer into consecutive slots.
 
 A store sees experts only through an `ExpertSource` (bytes and their format) and copies bytes: a
 quantized matrix is copied as the file holds it; a float matrix is converted to the compute dtype
-when the file's differs. `mmap` and `disk` read an expert's matrices as several ranges on most
+when the file's differs. Given a `Tiler`, a store whose slots are filled once (`RamStore`, or any
+store in resident mode: `make_store_for`) holds the matrices it names as tiles, interleaved as
+they are filled; a store read on every miss keeps the file's rows, which its reads land on
+directly. `mmap` and `disk` read an expert's matrices as several ranges on most
 checkpoints, and a run of experts as one range where the source says it is one.
 
 A store also knows the identity and version of the files it reads (device, inode, size, mtime and
@@ -32,7 +35,7 @@ from tqdm import tqdm
 from ..checkpoint.safetensors_io import Segment
 from ..errors import CopyError, ModelChangedError
 from ..memory import host_zeros
-from .layout import ExpertFormat, slot_nbytes
+from .layout import ExpertFormat, Tiler, slot_nbytes
 
 FileVersion = tuple[int, int, int, int, int]
 LARGE_LOAD_BYTES = 256 << 20  # loads larger than this show a progress bar
@@ -66,9 +69,10 @@ class ExpertSource(Protocol):
 
 
 def convert(src: torch.Tensor, src_fmt: ExpertFormat, dst: torch.Tensor, dst_fmt: ExpertFormat,
-            non_blocking: bool = False) -> None:
+            non_blocking: bool = False, tiler: Tiler | None = None) -> None:
     """Copy experts src [n, >= src bytes] into dst [n, >= dst bytes] (uint8), matrix by matrix;
-    float matrices change dtype on the way, quantized ones are copied as bytes."""
+    float matrices change dtype on the way, quantized ones are copied as bytes, or formed into
+    tiles by `tiler` where dst holds tiles (host memory)."""
     if src_fmt == dst_fmt:
         dst[:, : dst_fmt.nbytes].copy_(src[:, : src_fmt.nbytes], non_blocking=non_blocking)
         return
@@ -76,7 +80,10 @@ def convert(src: torch.Tensor, src_fmt: ExpertFormat, dst: torch.Tensor, dst_fmt
     for a, b in zip(src_fmt.matrices, dst_fmt.matrices):
         s = src[:, a.offset: a.offset + a.nbytes]
         d = dst[:, b.offset: b.offset + b.nbytes]
-        if a.storage == b.storage:
+        if b.tiled and not a.tiled:
+            for i in range(n):
+                d[i].copy_(tiler.tile_rows(s[i].view(a.shape[0], -1), a.storage, a.shape[1]).view(-1))
+        elif a.storage == b.storage:
             d.copy_(s, non_blocking=non_blocking)
         else:
             d.view(b.storage).view(n, -1).copy_(s.view(a.storage).view(n, -1), non_blocking=non_blocking)
@@ -87,11 +94,14 @@ class ExpertStore(ABC):
 
     name = ""
 
-    def __init__(self, source: ExpertSource, dtype: torch.dtype):
-        self.source, self.dtype = source, dtype
+    def __init__(self, source: ExpertSource, dtype: torch.dtype, tiler: Tiler | None = None):
+        self.source, self.dtype, self.tiler = source, dtype, tiler
         self.src_formats = {layer: source.format(layer) for layer in source.layers}
-        # What a slot holds: the file's format with float matrices in the compute dtype.
+        # What a slot holds: the file's format with float matrices in the compute dtype, and the
+        # quantized ones the tiler names as tiles.
         self.formats = {layer: f.with_dtype(dtype) for layer, f in self.src_formats.items()}
+        if tiler is not None:
+            self.formats = {layer: f.with_tiles(tiler) for layer, f in self.formats.items()}
         self.slot_bytes = slot_nbytes(list(self.formats.values()))
         self.versions = {p: file_version(p) for p in source.files}
 
@@ -117,8 +127,9 @@ class ExpertStore(ABC):
 class RamStore(ExpertStore):
     name = "ram"
 
-    def __init__(self, source: ExpertSource, dtype: torch.dtype, pin: bool = False, progress: bool = True):
-        super().__init__(source, dtype)
+    def __init__(self, source: ExpertSource, dtype: torch.dtype, pin: bool = False, progress: bool = True,
+                 tiler: Tiler | None = None):
+        super().__init__(source, dtype, tiler)
         self.rows: dict[int, torch.Tensor] = {}
         total = source.num_experts * len(source.layers)
         big = sum(f.nbytes for f in self.formats.values()) * source.num_experts >= LARGE_LOAD_BYTES
@@ -128,7 +139,7 @@ class RamStore(ExpertStore):
                 rows = host_zeros((source.num_experts, self.slot_bytes), torch.uint8, pin=pin)
                 src_fmt, fmt = self.src_formats[layer], self.formats[layer]
                 for e in range(source.num_experts):
-                    convert(source.read(layer, e)[None], src_fmt, rows[e: e + 1], fmt)
+                    convert(source.read(layer, e)[None], src_fmt, rows[e: e + 1], fmt, tiler=tiler)
                     bar.update()
                 self.rows[layer] = rows
 
@@ -144,8 +155,8 @@ class DiskStore(ExpertStore):
     name = "disk"
     drop_cache = True  # posix_fadvise(DONTNEED) after each read: the page cache keeps nothing
 
-    def __init__(self, source: ExpertSource, dtype: torch.dtype):
-        super().__init__(source, dtype)
+    def __init__(self, source: ExpertSource, dtype: torch.dtype, tiler: Tiler | None = None):
+        super().__init__(source, dtype, tiler)
         self._fds = {p: os.open(p, os.O_RDONLY) for p in source.files}
         self.reads = 0
         # Called with the running count after each read; tests use it to change the file at an
@@ -208,7 +219,7 @@ class DiskStore(ExpertStore):
         for path in files:
             self._check(path)
         if not direct:
-            convert(host, src_fmt, dst, fmt, non_blocking)
+            convert(host, src_fmt, dst, fmt, non_blocking, self.tiler)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -228,7 +239,8 @@ class MmapStore(DiskStore):
 STORE_CLASSES = {"ram": RamStore, "mmap": MmapStore, "disk": DiskStore}
 
 
-def make_store(name: str, source: ExpertSource, dtype: torch.dtype, device: torch.device) -> ExpertStore:
+def make_store(name: str, source: ExpertSource, dtype: torch.dtype, device: torch.device,
+               tiler: Tiler | None = None) -> ExpertStore:
     if name == "ram":
-        return RamStore(source, dtype, pin=device.type == "cuda")
-    return STORE_CLASSES[name](source, dtype)
+        return RamStore(source, dtype, pin=device.type == "cuda", tiler=tiler)
+    return STORE_CLASSES[name](source, dtype, tiler)
