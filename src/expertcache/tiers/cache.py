@@ -8,7 +8,8 @@ the expert's format: each matrix's storage type and shape); a lookup is only val
 those match, and slots are invalidated exactly when one of them changes, counted by reason.
 
 The pool is bytes: a slot holds one expert as the slow tier stores it (float matrices in the
-compute dtype, quantized ones as the file's blocks), and the cache never interprets them.
+compute dtype, quantized ones as the file's blocks or the kernels' tiles of them), and the cache
+never interprets them.
 
 `acquire(layer, experts)` is the provider call the MoE layer makes: a generator that yields the
 op's experts wave by wave; leaving it (exhausted, closed or on error) releases what it pinned.
