@@ -10,14 +10,18 @@ and the native kernels with 8-bit activations (`act8`, llama.cpp's integer produ
 wave of 8 SwiGLU experts in Q4_K_M's layout (Q4_K gate/up, Q6_K down) through `experts` against
 the torch path; for Q4_K and Q8_0 also the act8 product from the rows interleaved eight at a
 time as the engine holds its dense matrices (`act8 tiles`, `Kernels.tiles`; the same bits as
-`native act8`). Weights are random valid blocks on the huge-page memory the engine uses; paths
-alternate for `--rounds` rounds and medians are reported.
+`native act8`; for the wave, gate and up so held, as a slot filled once holds them). Weights
+are random valid blocks on the huge-page memory the engine uses; paths alternate for `--rounds`
+rounds and medians are reported. Without `--cold` a path may find its weights in the last-level
+cache where the path before it read the same ones (the rows' paths share them, the tiles are a
+copy of their own); `--cold` reads through 96 MB before each path, so that every path streams its
+weights from memory, as a decode step's experts are.
 
 The native kernels are compiled on first use (a minute or more), which needs a C++ compiler
 and ninja. Their sums are taken in another order than torch.mv's, so results differ in the last
 bits; the largest difference is printed.
 
-    python tools/quant_gemv_probe.py --threads 2
+    python tools/quant_gemv_probe.py --threads 2 [--cold]
 
 Prints a table and ends with one JSON line.
 """
@@ -85,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--rounds", type=positive_int, default=7, help="alternating rounds; medians are reported")
     ap.add_argument("--matrices", type=positive_int, default=8, help="matrices of each shape and type per round")
+    ap.add_argument("--cold", action="store_true", help="evict the caches before each path: weights come from memory")
     args = ap.parse_args(argv)
     try:
         mod = load_quant_native()
@@ -144,23 +149,36 @@ def main(argv=None) -> int:
     def native_wave_act8():
         return mod.experts(xw, list(gates), list(ups), list(downs), Q.Q4_K, Q.Q4_K, Q.Q6_K, "silu", True)
 
-    cases.append(("wave of 8 experts", wave_bytes, {f"native ({mod.isa})": native_wave, "native act8": native_wave_act8,
-                                                    "dequantize+mv": torch_wave}))
+    wave_paths = {f"native ({mod.isa})": native_wave, "native act8": native_wave_act8, "dequantize+mv": torch_wave}
+    if mod.isa == "avx2":  # gate and up held as tiles, as a slot filled once holds them (Q6_K has none)
+        gate_tiles = [host_copy(mod.tile_rows(g, Q.Q4_K, D)) for g in gates]
+        up_tiles = [host_copy(mod.tile_rows(u, Q.Q4_K, D)) for u in ups]
+
+        def tiled_wave():
+            return mod.experts(xw, gate_tiles, up_tiles, list(downs), Q.Q4_K, Q.Q4_K, Q.Q6_K, "silu", True,
+                               tiled=[True, True, False])
+
+        assert torch.equal(tiled_wave(), native_wave_act8())
+        wave_paths["act8 tiles"] = tiled_wave
+    cases.append(("wave of 8 experts", wave_bytes, wave_paths))
 
     times: dict[tuple[str, str], list[float]] = {}
     for _, _, paths in cases:  # warm-up: thread pool, page tables
         for fn in paths.values():
             fn()
+    flush = host_zeros(((96 << 20) // 4,), torch.float32) if args.cold else None
     for _ in range(args.rounds):
         for label, _, paths in cases:
             for name, fn in paths.items():
+                if flush is not None:
+                    flush.add_(1.0)  # read and written: the caches now hold this buffer
                 t = time.perf_counter()
                 fn()
                 per = (time.perf_counter() - t) / (1 if label.startswith("wave") else count)
                 times.setdefault((label, name), []).append(per)
 
     print(f"threads {args.threads}; {args.rounds} rounds alternating; {count} matrices of each shape and type; "
-          f"times per matrix (per wave for the wave)\n")
+          f"times per matrix (per wave for the wave){'; caches evicted before each path' if args.cold else ''}\n")
     print(f"{'weights':22}{'path':20}{'median us':>11}{'GB/s':>8}{'vs dequantize+mv':>18}")
     print("-" * 79)
     result = {}
@@ -173,7 +191,7 @@ def main(argv=None) -> int:
             result[f"{label} | {name}"] = round(med * 1e6, 1)
     print("\nGB/s counts the bytes stored (quantized blocks, or bf16); largest difference of native from "
           "dequantize+mv, relative to the output's largest value: " + f"{max(diffs.values()):.1e}")
-    print(json.dumps({"threads": args.threads, "rounds": args.rounds, "matrices": count, "isa": mod.isa,
+    print(json.dumps({"threads": args.threads, "rounds": args.rounds, "matrices": count, "isa": mod.isa, "cold": args.cold,
                       "median_us": result, "max_relative_difference": max(diffs.values())}))
     return 0
 
