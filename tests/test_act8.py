@@ -171,15 +171,20 @@ D, I = 512, 256
 WAVE_TYPES = [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q5_0", "Q5_K"), ("IQ4_XS", "Q4_0", "BF16")]
 
 
-@pytest.mark.parametrize("types", WAVE_TYPES, ids=["-".join(t) for t in WAVE_TYPES])
-@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
-def test_an_act8_wave_is_its_one_row_products(native, types, act):
+def wave_of(types: tuple[str, str, str], n: int = 5):
+    """n experts' random gate, up and down matrices of the three types, and an input row."""
     qtypes = [Q[t] for t in types]
-    n = 5
     G = [weights(qtypes[0], I, D, seed=10 + e)[0] for e in range(n)]
     U = [weights(qtypes[1], I, D, seed=40 + e)[0] for e in range(n)]
     Dn = [weights(qtypes[2], D, I, seed=70 + e)[0] for e in range(n)]
-    x = vector(D, seed=1)
+    return qtypes, G, U, Dn, vector(D, seed=1)
+
+
+@pytest.mark.parametrize("types", WAVE_TYPES, ids=["-".join(t) for t in WAVE_TYPES])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_an_act8_wave_is_its_one_row_products(native, types, act):
+    qtypes, G, U, Dn, x = wave_of(types)
+    n = len(G)
     y = native.experts(x, G, U, Dn, *qtypes, act, act8=True)
     f = torch.nn.functional.silu if act == "silu" else (lambda v: torch.nn.functional.gelu(v, approximate="tanh"))
     for e in range(n):
@@ -200,12 +205,8 @@ def test_a_wave_held_as_tiles_gives_the_rows_bits(native, types):
     """Expert slots may hold Q4_K and Q8_0 matrices as `tile_rows`'s tiles: a wave with any of
     its matrix kinds so held gives the bits of the file's rows, in rank rows too. The portable
     build has no tiles and refuses them."""
-    qtypes = [Q[t] for t in types]
-    n = 5
-    G = [weights(qtypes[0], I, D, seed=10 + e)[0] for e in range(n)]
-    U = [weights(qtypes[1], I, D, seed=40 + e)[0] for e in range(n)]
-    Dn = [weights(qtypes[2], D, I, seed=70 + e)[0] for e in range(n)]
-    x = vector(D, seed=1)
+    qtypes, G, U, Dn, x = wave_of(types)
+    n = len(G)
     if native.isa != "avx2":
         with pytest.raises(RuntimeError, match="tiles need act8, a type with tiles on this build"):
             native.experts(x, [g.reshape(I // 8, -1) for g in G], U, Dn, *qtypes, "silu", act8=True,

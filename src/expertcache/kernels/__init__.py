@@ -63,9 +63,9 @@ ACTIVATIONS_CHOICES = ("auto", "exact", "q8")
 AUTO_ACT8_ROWS = 8
 ALL_ROWS = 1 << 62
 # The types whose eight-row tiles (`Kernels.tiles`) take exactly as many bytes as their rows: Q4_K
-# (1152 bytes for eight rows' super-blocks) and Q8_0 (272 for eight rows' blocks). The others' tiles are wider (Q6_K's
-# six-bit values as bytes, the 4/5-bit 32-weight types as bytes), so a decode step would read
-# more; their tiles are formed per product, for prefill, instead.
+# (1152 bytes for eight rows' super-blocks) and Q8_0 (272 for eight rows' blocks). The others'
+# tiles are wider (Q6_K's six-bit values as bytes, the 4/5-bit 32-weight types as bytes), so a
+# decode step would read more; their tiles are formed per product, for prefill, instead.
 TILED_TYPES = (Q.Q4_K, Q.Q8_0)
 SOURCE = Path(__file__).parent.parent / "native" / "decode.cpp"
 
@@ -332,9 +332,10 @@ class Kernels:
     def holds_tiles(self, storage, shape: tuple[int, int]) -> bool:
         """Whether a quantized matrix is best held as tiles of eight rows (`quant.tile_rows`):
         where every product of it takes the integer kernels and its type's tiles take exactly its
-        rows' bytes (`TILED_TYPES`). A one-row product reads them up to 1.4x faster than the
-        file's rows on AVX2 (`python tools/quant_gemv_probe.py`: `act8 tiles` against `native
-        act8`), with the same bits; a prompt's products skip forming them."""
+        rows' bytes (`TILED_TYPES`). The same bits, read faster: with Q4_K_M experts so held,
+        decode took 0.92x the time and a 512-token prompt ran 1.05-1.07x faster on AVX2, as a
+        prompt's products no longer form them (docs/benchmarks.md, "Quantized experts held as
+        tiles")."""
         return (self.act8_rows == ALL_ROWS and storage in TILED_TYPES and shape[0] % 8 == 0
                 and self.quant.isa == "avx2")
 

@@ -1075,7 +1075,6 @@ inline __m256 half8(const uint8_t* p) {
 #endif
 }
 
-// R activation rows (R <= 4) against one tile column of eight weight rows: out[t * 8 + row].
 // Four of each row's scale bytes of a tile, unpacked in lane r as `k_scales` unpacks them for row
 // r: scales 0-3 (which = 0), minimums 0-3 (1), scales 4-7 (2) or minimums 4-7 (3). Computed where
 // used, from the tile's words (in the first-level cache), so that few registers stay live.
@@ -1089,6 +1088,7 @@ inline __m256i q4k_tile_scales(const uint8_t* tl, int which) {
   return _mm256_or_si256(low, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(word(k), 6), lo2), 4));
 }
 
+// R activation rows (R <= 4) against one tile column of eight weight rows: out[t * 8 + row].
 template <int R>
 void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out) {
   __m256 acc[R], mins[R];

@@ -91,6 +91,11 @@ class ExpertFormat:
         return ExpertFormat(tuple(replace(m, tiled=is_quantized(m.storage) and tiler.holds_tiles(m.storage, m.shape))
                                   for m in self.matrices))
 
+    @property
+    def as_rows(self) -> ExpertFormat:
+        """The same expert with every matrix as the file's rows (none tiled)."""
+        return ExpertFormat(tuple(replace(m, tiled=False) for m in self.matrices))
+
     def matrix(self, name: str) -> MatrixFormat | None:
         return next((m for m in self.matrices if m.name == name), None)
 

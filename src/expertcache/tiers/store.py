@@ -71,22 +71,32 @@ class ExpertSource(Protocol):
 def convert(src: torch.Tensor, src_fmt: ExpertFormat, dst: torch.Tensor, dst_fmt: ExpertFormat,
             non_blocking: bool = False, tiler: Tiler | None = None) -> None:
     """Copy experts src [n, >= src bytes] into dst [n, >= dst bytes] (uint8), matrix by matrix;
-    float matrices change dtype on the way, quantized ones are copied as bytes, or formed into
+    float matrices change dtype on the way, quantized ones are copied as bytes, then formed into
     tiles by `tiler` where dst holds tiles (host memory)."""
-    if src_fmt == dst_fmt:
+    rows_fmt = dst_fmt.as_rows
+    if src_fmt == rows_fmt:
         dst[:, : dst_fmt.nbytes].copy_(src[:, : src_fmt.nbytes], non_blocking=non_blocking)
-        return
-    n = dst.shape[0]
-    for a, b in zip(src_fmt.matrices, dst_fmt.matrices):
-        s = src[:, a.offset: a.offset + a.nbytes]
-        d = dst[:, b.offset: b.offset + b.nbytes]
-        if b.tiled and not a.tiled:
-            for i in range(n):
-                d[i].copy_(tiler.tile_rows(s[i].view(a.shape[0], -1), a.storage, a.shape[1]).view(-1))
-        elif a.storage == b.storage:
-            d.copy_(s, non_blocking=non_blocking)
-        else:
-            d.view(b.storage).view(n, -1).copy_(s.view(a.storage).view(n, -1), non_blocking=non_blocking)
+    else:
+        n = dst.shape[0]
+        for a, b in zip(src_fmt.matrices, dst_fmt.matrices):
+            s = src[:, a.offset: a.offset + a.nbytes]
+            d = dst[:, b.offset: b.offset + b.nbytes]
+            if a.storage == b.storage:
+                d.copy_(s, non_blocking=non_blocking)
+            else:
+                d.view(b.storage).view(n, -1).copy_(s.view(a.storage).view(n, -1), non_blocking=non_blocking)
+    if rows_fmt != dst_fmt:
+        tile_in_place(dst, dst_fmt, tiler)
+
+
+def tile_in_place(dst: torch.Tensor, fmt: ExpertFormat, tiler: Tiler) -> None:
+    """Experts dst [n, >= bytes] (host memory) holding the file's rows: each matrix `fmt` marks
+    tiled interleaved where it lies, one matrix at a time (a temporary of one matrix)."""
+    for m in fmt.matrices:
+        if m.tiled:
+            for i in range(dst.shape[0]):
+                part = dst[i, m.offset: m.offset + m.nbytes]
+                part.copy_(tiler.tile_rows(part.view(m.shape[0], -1), m.storage, m.shape[1]).view(-1))
 
 
 class ExpertStore(ABC):
@@ -198,9 +208,10 @@ class DiskStore(ExpertStore):
         n = dst.shape[0]
         src_fmt, fmt = self.src_formats[layer], self.formats[layer]
         size = src_fmt.nbytes
-        # Read into the slots themselves when they are host memory holding the file's bytes as
-        # they are; otherwise into a bounce buffer that is then converted and copied.
-        direct = src_fmt == fmt and dst.device.type == "cpu" and dst.is_contiguous()
+        # Read into the slots themselves when they are host memory holding the file's bytes (as
+        # they are, or then tiled in place); otherwise into a bounce buffer that is then converted
+        # and copied.
+        direct = src_fmt == fmt.as_rows and dst.device.type == "cpu" and dst.is_contiguous()
         host = dst if direct else torch.empty(n, size, dtype=torch.uint8)
         rows = [memoryview(host[i, :size].numpy()) for i in range(n)]
         parts = self.source.run_parts(layer, first, n)
@@ -220,6 +231,8 @@ class DiskStore(ExpertStore):
             self._check(path)
         if not direct:
             convert(host, src_fmt, dst, fmt, non_blocking, self.tiler)
+        elif fmt != src_fmt:
+            tile_in_place(dst, fmt, self.tiler)
 
     def close(self) -> None:
         for fd in self._fds.values():
