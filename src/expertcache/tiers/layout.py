@@ -9,7 +9,7 @@ makes typed views of a slot for the compute path.
 
 A quantized matrix may be held as the kernels' tiles of eight rows instead of the file's rows
 (`MatrixFormat.tiled`, chosen by a `Tiler`): the same bytes per matrix, interleaved when the
-store fills its rows (`store.convert`), so that every product reads them as they lie.
+store fills its slots (`store.tile_in_place`), so that every product reads them as they lie.
 
 Slots are padded so that every expert starts on the same byte alignment in every tier and mode
 (resident, staging, cache): the matrix kernels then see identically aligned operands and pick the
