@@ -584,10 +584,28 @@ void quantize_act(const float* x, int64_t K, int64_t type, Act& a, bool floats) 
 
 
 #if defined(EXPERTCACHE_AVX2)
+// Where the CPU has VNNI, one instruction multiplies unsigned by signed bytes and adds each group of
+// four onto an int32 lane (`vpdpbusd`), where AVX2 takes two (a 16-bit multiply-add of pairs, then
+// one of the pairs against ones). Both are exact here: no 16-bit pair sum of our operands
+// saturates (at most 2 x 127 x 127), so each lane gets the same integer.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define EXPERTCACHE_VNNI 1
+#if defined(__AVX512BW__)
+#define EXPERTCACHE_AVX512_VNNI 1  // the Q4_K tiles' products on 64 bytes at a time (`tile_q4_k`)
+#endif
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define EXPERTCACHE_VNNI 1
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+
 // 32 signed weights (at least -128) times 32 activations (at least -127): eight int32 sums.
 inline __m256i dot_i8(__m256i w, __m256i a) {
-  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
-  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+  return dot4_add(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
 }
 
 // Eight vectors' lane totals as one vector (lane r: the total of v[r]).
@@ -1099,10 +1117,36 @@ void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out)
     __m256i sum[R];
     for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
     for (int p = 0; p < 4; ++p) {
-      // Eight groups of 4 add up to at most 8 x 2 x 15 x 127 in each 16-bit lane: no overflow.
+      // Each row's products of sub-blocks 2p and 2p + 1, unscaled: with VNNI in its int32 lane,
+      // else in its two 16-bit lanes (eight groups of 4 add up to at most 8 x 2 x 15 x 127 in
+      // each: no overflow), then scaled by a multiply-add of the pairs.
       __m256i s0[R], s1[R];
-      for (int t = 0; t < R; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
       const uint8_t* q = tl + 128 + p * 256;
+#if defined(EXPERTCACHE_AVX512_VNNI)
+      // Groups c and c + 1 in one 64-byte load: each 256-bit half is one group's eight rows, and
+      // meets that group's activations (`halves` puts c's four bytes in every lane of the low
+      // half, c + 1's in the high one); the halves' sums then add up per row.
+      const __m512i m4z = _mm512_set1_epi8(15);
+      const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      __m512i z0[R], z1[R];
+      for (int t = 0; t < R; ++t) z0[t] = z1[t] = _mm512_setzero_si512();
+      for (int c = 0; c < 8; c += 2) {
+        const __m512i v = _mm512_loadu_si512(q + c * 32);
+        const __m512i lo = _mm512_and_si512(v, m4z), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4z);
+        for (int t = 0; t < R; ++t) {
+          const int8_t* aq = a[t]->q.data() + i * 256 + p * 64 + c * 4;
+          const __m512i x0 = _mm512_permutexvar_epi32(halves, _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(aq))));
+          const __m512i x1 = _mm512_permutexvar_epi32(halves, _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(aq + 32))));
+          z0[t] = _mm512_dpbusd_epi32(z0[t], lo, x0);
+          z1[t] = _mm512_dpbusd_epi32(z1[t], hi, x1);
+        }
+      }
+      for (int t = 0; t < R; ++t) {
+        s0[t] = _mm256_add_epi32(_mm512_castsi512_si256(z0[t]), _mm512_extracti64x4_epi64(z0[t], 1));
+        s1[t] = _mm256_add_epi32(_mm512_castsi512_si256(z1[t]), _mm512_extracti64x4_epi64(z1[t], 1));
+      }
+#else
+      for (int t = 0; t < R; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
       for (int c = 0; c < 8; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 32));
         const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -1111,14 +1155,27 @@ void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out)
           int32_t x0, x1;
           std::memcpy(&x0, aq, 4);
           std::memcpy(&x1, aq + 32, 4);
+#if defined(EXPERTCACHE_VNNI)
+          s0[t] = dot4_add(s0[t], lo, _mm256_set1_epi32(x0));
+          s1[t] = dot4_add(s1[t], hi, _mm256_set1_epi32(x1));
+#else
           s0[t] = _mm256_add_epi16(s0[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
           s1[t] = _mm256_add_epi16(s1[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+#endif
         }
       }
+#endif
       const __m256i sc = q4k_tile_scales(tl, p < 2 ? 0 : 2);  // sub-blocks 2p and 2p + 1
       const __m256i sc0 = lane_bytes16(sc, 2 * (p % 2)), sc1 = lane_bytes16(sc, 2 * (p % 2) + 1);
-      for (int t = 0; t < R; ++t)
+      for (int t = 0; t < R; ++t) {
+#if defined(EXPERTCACHE_VNNI)
+        const __m256i low = _mm256_set1_epi32(0xffff);  // the scale, once per lane
+        sum[t] = _mm256_add_epi32(sum[t], _mm256_add_epi32(_mm256_mullo_epi32(s0[t], _mm256_and_si256(sc0, low)),
+                                                           _mm256_mullo_epi32(s1[t], _mm256_and_si256(sc1, low))));
+#else
         sum[t] = _mm256_add_epi32(sum[t], _mm256_add_epi32(_mm256_madd_epi16(s0[t], sc0), _mm256_madd_epi16(s1[t], sc1)));
+#endif
+      }
     }
     const __m256 d = half8(tl), dmin = half8(tl + 16);
     for (int t = 0; t < R; ++t) {
@@ -1164,7 +1221,6 @@ template <int R>
 void tile_32(const uint8_t* tiles, const Act* const* a, int64_t K, float* out) {
   __m256 acc[R];
   for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t i = 0, nb = K / 32; i < nb; ++i) {
     const uint8_t* tl = tiles + i * kTile32;
     __m256i sum[R];
@@ -1174,7 +1230,7 @@ void tile_32(const uint8_t* tiles, const Act* const* a, int64_t K, float* out) {
       for (int t = 0; t < R; ++t) {
         int32_t x;
         std::memcpy(&x, a[t]->q.data() + i * 32 + c * 4, 4);
-        sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(_mm256_set1_epi32(x), v)), ones));
+        sum[t] = dot4_add(sum[t], av, _mm256_sign_epi8(_mm256_set1_epi32(x), v));
       }
     }
     const __m256 d = half8(tl);
@@ -1821,6 +1877,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = "avx2";
 #else
   m.attr("isa") = "portable";
+#endif
+#if defined(EXPERTCACHE_VNNI)
+  m.attr("vnni") = true;
+#else
+  m.attr("vnni") = false;
 #endif
   m.def("gemv", &gemv, "y [N] = W x, W raw ggml rows [N, row bytes] of a type, x [K] (or [1, K]) fp32/bf16; "
         "fp32; act8 rounds x as ggml's CPU products do; in_dtype: y in x's dtype, [1, N] for x [1, K]",
