@@ -1115,19 +1115,18 @@ void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out)
   for (int64_t i = 0, nb = K / 256; i < nb; ++i) {
     const uint8_t* tl = tiles + i * kQ4KTile;
     __m256i sum[R];
-    for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
-    for (int p = 0; p < 4; ++p) {
-      // Each row's products of sub-blocks 2p and 2p + 1, unscaled: with VNNI in its int32 lane,
-      // else in its two 16-bit lanes (eight groups of 4 add up to at most 8 x 2 x 15 x 127 in
-      // each: no overflow), then scaled by a multiply-add of the pairs.
-      __m256i s0[R], s1[R];
-      const uint8_t* q = tl + 128 + p * 256;
 #if defined(EXPERTCACHE_AVX512_VNNI)
-      // Groups c and c + 1 in one 64-byte load: each 256-bit half is one group's eight rows, and
-      // meets that group's activations (`halves` puts c's four bytes in every lane of the low
-      // half, c + 1's in the high one); the halves' sums then add up per row.
-      const __m512i m4z = _mm512_set1_epi8(15);
-      const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    // Groups c and c + 1 of a run in one 64-byte load: each 256-bit half is one group's eight
+    // rows, and meets that group's activations (`halves` puts c's four bytes in every lane of
+    // the low half, c + 1's in the high one). A lane adds up 16 products (at most 16 x 15 x 127:
+    // it fits 16 bits), so a 16-bit multiply-add against the scale (zero in the upper half)
+    // scales it exactly; the halves add up per row after the block.
+    const __m512i m4z = _mm512_set1_epi8(15), low = _mm512_set1_epi32(0xffff);
+    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512i wide[R];
+    for (int t = 0; t < R; ++t) wide[t] = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+      const uint8_t* q = tl + 128 + p * 256;
       __m512i z0[R], z1[R];
       for (int t = 0; t < R; ++t) z0[t] = z1[t] = _mm512_setzero_si512();
       for (int c = 0; c < 8; c += 2) {
@@ -1141,12 +1140,23 @@ void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out)
           z1[t] = _mm512_dpbusd_epi32(z1[t], hi, x1);
         }
       }
-      for (int t = 0; t < R; ++t) {
-        s0[t] = _mm256_add_epi32(_mm512_castsi512_si256(z0[t]), _mm512_extracti64x4_epi64(z0[t], 1));
-        s1[t] = _mm256_add_epi32(_mm512_castsi512_si256(z1[t]), _mm512_extracti64x4_epi64(z1[t], 1));
-      }
+      const __m256i sc = q4k_tile_scales(tl, p < 2 ? 0 : 2);  // sub-blocks 2p and 2p + 1
+      const __m512i sc0 = _mm512_and_si512(_mm512_broadcast_i64x4(lane_bytes16(sc, 2 * (p % 2))), low);
+      const __m512i sc1 = _mm512_and_si512(_mm512_broadcast_i64x4(lane_bytes16(sc, 2 * (p % 2) + 1)), low);
+      for (int t = 0; t < R; ++t)
+        wide[t] = _mm512_add_epi32(wide[t], _mm512_add_epi32(_mm512_madd_epi16(z0[t], sc0), _mm512_madd_epi16(z1[t], sc1)));
+    }
+    for (int t = 0; t < R; ++t)
+      sum[t] = _mm256_add_epi32(_mm512_castsi512_si256(wide[t]), _mm512_extracti64x4_epi64(wide[t], 1));
 #else
+    for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      // Each row's products of sub-blocks 2p and 2p + 1, unscaled: with VNNI in its int32 lane,
+      // else in its two 16-bit lanes (eight groups of 4 add up to at most 8 x 2 x 15 x 127 in
+      // each: no overflow), then scaled by a multiply-add of the pairs.
+      __m256i s0[R], s1[R];
       for (int t = 0; t < R; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
+      const uint8_t* q = tl + 128 + p * 256;
       for (int c = 0; c < 8; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 32));
         const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -1164,7 +1174,6 @@ void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out)
 #endif
         }
       }
-#endif
       const __m256i sc = q4k_tile_scales(tl, p < 2 ? 0 : 2);  // sub-blocks 2p and 2p + 1
       const __m256i sc0 = lane_bytes16(sc, 2 * (p % 2)), sc1 = lane_bytes16(sc, 2 * (p % 2) + 1);
       for (int t = 0; t < R; ++t) {
@@ -1177,6 +1186,7 @@ void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out)
 #endif
       }
     }
+#endif
     const __m256 d = half8(tl), dmin = half8(tl + 16);
     for (int t = 0; t < R; ++t) {
       // The minimums in pairs (2j, 2j + 1), 16 bits each, against the activations' sums of 32.
