@@ -588,10 +588,13 @@ void quantize_act(const float* x, int64_t K, int64_t type, Act& a, bool floats) 
 // four onto an int32 lane (`vpdpbusd`), where AVX2 takes two (a 16-bit multiply-add of pairs, then
 // one of the pairs against ones). Both are exact here: no 16-bit pair sum of our operands
 // saturates (at most 2 x 127 x 127), so each lane gets the same integer.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define EXPERTCACHE_AVX512 1  // 64 bytes at a time where it pays: Q6_K (`q6_block`), Q4_K tiles
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define EXPERTCACHE_VNNI 1
-#if defined(__AVX512BW__)
-#define EXPERTCACHE_AVX512_VNNI 1  // the Q4_K tiles' products on 64 bytes at a time (`tile_q4_k`)
+#if defined(EXPERTCACHE_AVX512)
+#define EXPERTCACHE_AVX512_VNNI 1
 #endif
 inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #elif defined(__AVXVNNI__)
@@ -853,6 +856,37 @@ inline void q6_block(const uint8_t* b, const Act* const* a, int64_t i, __m256i* 
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   alignas(32) int32_t sc32[16];
   for (int j = 0; j < 16; ++j) sc32[j] = 32 * sc[j];
+#if defined(EXPERTCACHE_AVX512)
+  // 64 weights at a time: runs s and s + 1 of a half h side by side (the 64 bytes of `ql` hold
+  // both runs' low nibbles, and then both runs' high ones), each 128-bit lane 16 weights of one
+  // scale. Each row's lanes add up to the same total as the 256-bit steps below.
+  const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+  const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  // runs 0, 1
+  const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  // runs 2, 3
+  const __m256i scb = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+  __m512i wide[R];
+  for (int t = 0; t < R; ++t) wide[t] = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = _mm512_loadu_si512(ql + h * 64);
+    const __m512i hbits = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + h * 32)));
+    for (int half = 0; half < 2; ++half) {  // runs 2 half and 2 half + 1
+      const __m512i lo = half == 0 ? _mm512_and_si512(v, m4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      // bits 2s and 2s + 1 of `qh` moved to bits 4 and 5 of each byte (the 16-bit shifts carry
+      // nothing into those bits from the neighbouring byte)
+      const __m512i hi = _mm512_and_si512(half == 0 ? _mm512_sllv_epi16(hbits, up) : _mm512_srlv_epi16(hbits, down), m30);
+      const __m512i q = _mm512_or_si512(lo, hi);  // 0..63
+      const int64_t g = h * 8 + half * 4;  // the scale of the first 16 weights
+      const int64_t b8 = 0x0101010101010101;
+      const __m512i scv = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(scb, _mm256_setr_epi64x(g * b8, (g + 1) * b8, (g + 2) * b8, (g + 3) * b8)));
+      for (int t = 0; t < R; ++t) {
+        const __m512i av = _mm512_loadu_si512(a[t]->q.data() + i * 256 + h * 128 + half * 64);
+        wide[t] = _mm512_add_epi32(wide[t], _mm512_madd_epi16(_mm512_maddubs_epi16(q, av), scv));
+      }
+    }
+  }
+  for (int t = 0; t < R; ++t)
+    sum[t] = _mm256_add_epi32(_mm512_castsi512_si256(wide[t]), _mm512_extracti64x4_epi64(wide[t], 1));
+#else
   const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
   for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
   for (int h = 0; h < 2; ++h) {  // one 32-weight run at a time: few registers live across the rows
@@ -870,6 +904,7 @@ inline void q6_block(const uint8_t* b, const Act* const* a, int64_t i, __m256i* 
       }
     }
   }
+#endif
   for (int t = 0; t < R; ++t) off[t] = lane_pairs(sc32, a[t]->bsum.data() + i * 16);
 }
 #endif
