@@ -14,8 +14,7 @@
 - `dequantize(w, qtype, K) -> float32 [N, K]`: the weights as the products see them, and
   `dequantize_into(w, qtype, out)` into out [N, K] float32 or bfloat16 (rounded once), rows split
   across threads: the CPU path for prefill (decode a wave into one reused buffer, then a GEMM);
-- `isa`: "avx2" or "portable"; `vnni`: whether the AVX2 build multiplies bytes with VNNI
-  (`vpdpbusd`, where the CPU has it; the same integers).
+- `isa`: "avx2" or "portable".
 
 Weights are decoded exactly as gguf-py decodes them (`dequantize` is bit-identical to
 `gguf.quants.dequantize`), products accumulate in float32, and each output element is one row

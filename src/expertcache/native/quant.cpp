@@ -584,31 +584,10 @@ void quantize_act(const float* x, int64_t K, int64_t type, Act& a, bool floats) 
 
 
 #if defined(EXPERTCACHE_AVX2)
-// Where the CPU has VNNI, one instruction multiplies unsigned by signed bytes and adds each group of
-// four onto an int32 lane (`vpdpbusd`), where AVX2 takes two (a 16-bit multiply-add of pairs, then
-// one of the pairs against ones). Both are exact here: no 16-bit pair sum of our operands
-// saturates (at most 2 x 127 x 127), so each lane gets the same integer.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define EXPERTCACHE_AVX512 1  // 64 bytes at a time where it pays: Q6_K (`q6_block`), Q4_K tiles
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define EXPERTCACHE_VNNI 1
-#if defined(EXPERTCACHE_AVX512)
-#define EXPERTCACHE_AVX512_VNNI 1
-#endif
-inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-#elif defined(__AVXVNNI__)
-#define EXPERTCACHE_VNNI 1
-inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
-#else
-inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-#endif
-
 // 32 signed weights (at least -128) times 32 activations (at least -127): eight int32 sums.
 inline __m256i dot_i8(__m256i w, __m256i a) {
-  return dot4_add(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
 // Eight vectors' lane totals as one vector (lane r: the total of v[r]).
@@ -856,37 +835,6 @@ inline void q6_block(const uint8_t* b, const Act* const* a, int64_t i, __m256i* 
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   alignas(32) int32_t sc32[16];
   for (int j = 0; j < 16; ++j) sc32[j] = 32 * sc[j];
-#if defined(EXPERTCACHE_AVX512)
-  // 64 weights at a time: runs s and s + 1 of a half h side by side (the 64 bytes of `ql` hold
-  // both runs' low nibbles, and then both runs' high ones), each 128-bit lane 16 weights of one
-  // scale. Each row's lanes add up to the same total as the 256-bit steps below.
-  const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
-  const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  // runs 0, 1
-  const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  // runs 2, 3
-  const __m256i scb = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-  __m512i wide[R];
-  for (int t = 0; t < R; ++t) wide[t] = _mm512_setzero_si512();
-  for (int h = 0; h < 2; ++h) {
-    const __m512i v = _mm512_loadu_si512(ql + h * 64);
-    const __m512i hbits = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + h * 32)));
-    for (int half = 0; half < 2; ++half) {  // runs 2 half and 2 half + 1
-      const __m512i lo = half == 0 ? _mm512_and_si512(v, m4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-      // bits 2s and 2s + 1 of `qh` moved to bits 4 and 5 of each byte (the 16-bit shifts carry
-      // nothing into those bits from the neighbouring byte)
-      const __m512i hi = _mm512_and_si512(half == 0 ? _mm512_sllv_epi16(hbits, up) : _mm512_srlv_epi16(hbits, down), m30);
-      const __m512i q = _mm512_or_si512(lo, hi);  // 0..63
-      const int64_t g = h * 8 + half * 4;  // the scale of the first 16 weights
-      const int64_t b8 = 0x0101010101010101;
-      const __m512i scv = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(scb, _mm256_setr_epi64x(g * b8, (g + 1) * b8, (g + 2) * b8, (g + 3) * b8)));
-      for (int t = 0; t < R; ++t) {
-        const __m512i av = _mm512_loadu_si512(a[t]->q.data() + i * 256 + h * 128 + half * 64);
-        wide[t] = _mm512_add_epi32(wide[t], _mm512_madd_epi16(_mm512_maddubs_epi16(q, av), scv));
-      }
-    }
-  }
-  for (int t = 0; t < R; ++t)
-    sum[t] = _mm256_add_epi32(_mm512_castsi512_si256(wide[t]), _mm512_extracti64x4_epi64(wide[t], 1));
-#else
   const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
   for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
   for (int h = 0; h < 2; ++h) {  // one 32-weight run at a time: few registers live across the rows
@@ -904,7 +852,6 @@ inline void q6_block(const uint8_t* b, const Act* const* a, int64_t i, __m256i* 
       }
     }
   }
-#endif
   for (int t = 0; t < R; ++t) off[t] = lane_pairs(sc32, a[t]->bsum.data() + i * 16);
 }
 #endif
@@ -1150,45 +1097,9 @@ void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out)
   for (int64_t i = 0, nb = K / 256; i < nb; ++i) {
     const uint8_t* tl = tiles + i * kQ4KTile;
     __m256i sum[R];
-#if defined(EXPERTCACHE_AVX512_VNNI)
-    // Groups c and c + 1 of a run in one 64-byte load: each 256-bit half is one group's eight
-    // rows, and meets that group's activations (`halves` puts c's four bytes in every lane of
-    // the low half, c + 1's in the high one). A lane adds up 16 products (at most 16 x 15 x 127:
-    // it fits 16 bits), so a 16-bit multiply-add against the scale (zero in the upper half)
-    // scales it exactly; the halves add up per row after the block.
-    const __m512i m4z = _mm512_set1_epi8(15), low = _mm512_set1_epi32(0xffff);
-    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    __m512i wide[R];
-    for (int t = 0; t < R; ++t) wide[t] = _mm512_setzero_si512();
-    for (int p = 0; p < 4; ++p) {
-      const uint8_t* q = tl + 128 + p * 256;
-      __m512i z0[R], z1[R];
-      for (int t = 0; t < R; ++t) z0[t] = z1[t] = _mm512_setzero_si512();
-      for (int c = 0; c < 8; c += 2) {
-        const __m512i v = _mm512_loadu_si512(q + c * 32);
-        const __m512i lo = _mm512_and_si512(v, m4z), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4z);
-        for (int t = 0; t < R; ++t) {
-          const int8_t* aq = a[t]->q.data() + i * 256 + p * 64 + c * 4;
-          const __m512i x0 = _mm512_permutexvar_epi32(halves, _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(aq))));
-          const __m512i x1 = _mm512_permutexvar_epi32(halves, _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(aq + 32))));
-          z0[t] = _mm512_dpbusd_epi32(z0[t], lo, x0);
-          z1[t] = _mm512_dpbusd_epi32(z1[t], hi, x1);
-        }
-      }
-      const __m256i sc = q4k_tile_scales(tl, p < 2 ? 0 : 2);  // sub-blocks 2p and 2p + 1
-      const __m512i sc0 = _mm512_and_si512(_mm512_broadcast_i64x4(lane_bytes16(sc, 2 * (p % 2))), low);
-      const __m512i sc1 = _mm512_and_si512(_mm512_broadcast_i64x4(lane_bytes16(sc, 2 * (p % 2) + 1)), low);
-      for (int t = 0; t < R; ++t)
-        wide[t] = _mm512_add_epi32(wide[t], _mm512_add_epi32(_mm512_madd_epi16(z0[t], sc0), _mm512_madd_epi16(z1[t], sc1)));
-    }
-    for (int t = 0; t < R; ++t)
-      sum[t] = _mm256_add_epi32(_mm512_castsi512_si256(wide[t]), _mm512_extracti64x4_epi64(wide[t], 1));
-#else
     for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
     for (int p = 0; p < 4; ++p) {
-      // Each row's products of sub-blocks 2p and 2p + 1, unscaled: with VNNI in its int32 lane,
-      // else in its two 16-bit lanes (eight groups of 4 add up to at most 8 x 2 x 15 x 127 in
-      // each: no overflow), then scaled by a multiply-add of the pairs.
+      // Eight groups of 4 add up to at most 8 x 2 x 15 x 127 in each 16-bit lane: no overflow.
       __m256i s0[R], s1[R];
       for (int t = 0; t < R; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
       const uint8_t* q = tl + 128 + p * 256;
@@ -1200,28 +1111,15 @@ void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out)
           int32_t x0, x1;
           std::memcpy(&x0, aq, 4);
           std::memcpy(&x1, aq + 32, 4);
-#if defined(EXPERTCACHE_VNNI)
-          s0[t] = dot4_add(s0[t], lo, _mm256_set1_epi32(x0));
-          s1[t] = dot4_add(s1[t], hi, _mm256_set1_epi32(x1));
-#else
           s0[t] = _mm256_add_epi16(s0[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
           s1[t] = _mm256_add_epi16(s1[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
-#endif
         }
       }
       const __m256i sc = q4k_tile_scales(tl, p < 2 ? 0 : 2);  // sub-blocks 2p and 2p + 1
       const __m256i sc0 = lane_bytes16(sc, 2 * (p % 2)), sc1 = lane_bytes16(sc, 2 * (p % 2) + 1);
-      for (int t = 0; t < R; ++t) {
-#if defined(EXPERTCACHE_VNNI)
-        const __m256i low = _mm256_set1_epi32(0xffff);  // the scale, once per lane
-        sum[t] = _mm256_add_epi32(sum[t], _mm256_add_epi32(_mm256_mullo_epi32(s0[t], _mm256_and_si256(sc0, low)),
-                                                           _mm256_mullo_epi32(s1[t], _mm256_and_si256(sc1, low))));
-#else
+      for (int t = 0; t < R; ++t)
         sum[t] = _mm256_add_epi32(sum[t], _mm256_add_epi32(_mm256_madd_epi16(s0[t], sc0), _mm256_madd_epi16(s1[t], sc1)));
-#endif
-      }
     }
-#endif
     const __m256 d = half8(tl), dmin = half8(tl + 16);
     for (int t = 0; t < R; ++t) {
       // The minimums in pairs (2j, 2j + 1), 16 bits each, against the activations' sums of 32.
@@ -1266,6 +1164,7 @@ template <int R>
 void tile_32(const uint8_t* tiles, const Act* const* a, int64_t K, float* out) {
   __m256 acc[R];
   for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t i = 0, nb = K / 32; i < nb; ++i) {
     const uint8_t* tl = tiles + i * kTile32;
     __m256i sum[R];
@@ -1275,7 +1174,7 @@ void tile_32(const uint8_t* tiles, const Act* const* a, int64_t K, float* out) {
       for (int t = 0; t < R; ++t) {
         int32_t x;
         std::memcpy(&x, a[t]->q.data() + i * 32 + c * 4, 4);
-        sum[t] = dot4_add(sum[t], av, _mm256_sign_epi8(_mm256_set1_epi32(x), v));
+        sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(_mm256_set1_epi32(x), v)), ones));
       }
     }
     const __m256 d = half8(tl);
@@ -1922,11 +1821,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = "avx2";
 #else
   m.attr("isa") = "portable";
-#endif
-#if defined(EXPERTCACHE_VNNI)
-  m.attr("vnni") = true;
-#else
-  m.attr("vnni") = false;
 #endif
   m.def("gemv", &gemv, "y [N] = W x, W raw ggml rows [N, row bytes] of a type, x [K] (or [1, K]) fp32/bf16; "
         "fp32; act8 rounds x as ggml's CPU products do; in_dtype: y in x's dtype, [1, N] for x [1, K]",
