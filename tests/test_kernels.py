@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import expertcache
 from expertcache import CacheConfig, ExpertCacheError, kernels
-from conftest import VOCAB, CountingModule, assert_one_line_error, run_cli
+from conftest import VOCAB, CountingModule, assert_one_line_error, run_cli, with_threads
 
 PROMPT = torch.randint(4, VOCAB, (12,), generator=torch.Generator().manual_seed(5)).tolist()
 STEPS = 12
@@ -54,6 +54,21 @@ def test_gemv_matches_exact_products(native, n, k):
     y = native.gemv(w, x)
     assert y.dtype == torch.bfloat16 and y.shape == (n,)
     assert_close_to_exact(y, w, x)
+
+
+def test_copy_bytes_copies_every_byte_at_any_alignment(native):
+    """The RAM store's slot fills (streaming stores from the first 32-byte boundary of each chunk
+    of 64 KiB, plain copies around them): every byte arrives, whatever the offsets and sizes,
+    at 1 and 2 threads, and nothing outside the destination changes."""
+    src = torch.randint(0, 256, (300_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    for threads in (1, 2):
+        for lo, n in ((0, 0), (0, 1), (1, 31), (3, 4096 + 97), (17, 65536 * 2 + 5), (32, 200_000)):
+            dst = torch.zeros(300_000 + 64, dtype=torch.uint8)
+            with_threads(threads, lambda: native.copy_bytes(dst[lo: lo + n], src[7: 7 + n]))
+            assert torch.equal(dst[lo: lo + n], src[7: 7 + n]), (threads, lo, n)
+            assert not dst[:lo].any() and not dst[lo + n:].any(), (threads, lo, n)
+    with pytest.raises(RuntimeError, match="copy_bytes: expected two contiguous uint8 host tensors of one size"):
+        native.copy_bytes(torch.zeros(8, dtype=torch.uint8), torch.zeros(9, dtype=torch.uint8))
 
 
 def test_gemv_does_not_depend_on_thread_count(native):
@@ -380,6 +395,16 @@ def native_reference(checkpoint, isa):
 def test_decode_bitwise_identical_across_cache_modes(checkpoint, native_reference, cache):
     model = expertcache.load(checkpoint, cache=cache, kernels="native")
     assert torch.equal(decode_logits(model), native_reference)
+
+
+def test_ram_store_fills_slots_with_the_native_copy(checkpoint, native_reference, monkeypatch):
+    """Cache mode over the RAM store fills its slots with the kernels' streaming copy
+    (`copy_bytes`): the same logits as every expert resident, bit for bit."""
+    model = expertcache.load(checkpoint, cache=CacheConfig(mode="cache", experts=3, store="ram"), kernels="native")
+    counting = CountingModule(model.kernels.native, "copy_bytes")
+    monkeypatch.setattr(model.kernels, "native", counting)
+    assert torch.equal(decode_logits(model), native_reference)
+    assert counting.calls["copy_bytes"] > 0
 
 
 def test_decode_of_a_packed_checkpoint_is_the_same(checkpoint, native_reference, tmp_path):

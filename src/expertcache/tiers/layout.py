@@ -31,7 +31,8 @@ Weight = torch.Tensor | QuantTensor | RowParts
 
 
 class Tiler(Protocol):
-    """Which quantized matrices the kernels read as tiles of eight rows, and how they are formed."""
+    """What the CPU's kernels tell a store whose slots they read: which quantized matrices they
+    read as tiles of eight rows, how those are formed, and how host bytes are copied into slots."""
 
     def holds_tiles(self, storage: Storage, shape: tuple[int, int]) -> bool:
         """Whether a matrix of this storage and shape is best held as tiles (which take exactly
@@ -39,6 +40,9 @@ class Tiler(Protocol):
 
     def tile_rows(self, raw: torch.Tensor, storage: Storage, cols: int) -> torch.Tensor:
         """Rows [N, row bytes] uint8 as tiles [N / 8, tile bytes]."""
+
+    def copy_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst <- src: host uint8 tensors of one shape, contiguous (a slot fill)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -154,7 +154,11 @@ class RamStore(ExpertStore):
                 self.rows[layer] = rows
 
     def copy_run(self, layer: int, first: int, dst: torch.Tensor, non_blocking: bool = False) -> None:
-        dst.copy_(self.rows[layer][first: first + dst.shape[0]], non_blocking=non_blocking)
+        src = self.rows[layer][first: first + dst.shape[0]]
+        if self.tiler is not None:  # host slots: the kernels' copy (`Tiler.copy_host`)
+            self.tiler.copy_host(dst, src)
+        else:
+            dst.copy_(src, non_blocking=non_blocking)
 
 
 class DiskStore(ExpertStore):
