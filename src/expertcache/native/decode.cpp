@@ -919,7 +919,7 @@ void copy_bytes(torch::Tensor dst, const torch::Tensor& src) {
   const int64_t n = dst.numel();
   at::parallel_for(0, (n + CHUNK - 1) / CHUNK, 1, [&](int64_t begin, int64_t end) {
     const int64_t lo = begin * CHUNK, hi = std::min(n, end * CHUNK);
-#if defined(EXPERTCACHE_AVX2_ATTEND)
+#if defined(EXPERTCACHE_AVX2_ATTEND)  // an AVX2 build
     int64_t i = lo;
     const int64_t head = std::min(hi - lo, static_cast<int64_t>(-reinterpret_cast<uintptr_t>(d + lo) & 31));
     std::memcpy(d + i, s + i, head);

@@ -14,8 +14,8 @@ from .store import ExpertSource, ExpertStore, make_store
 def make_store_for(source: ExpertSource, cache: CacheConfig, device: torch.device,
                    dtype: torch.dtype, tiler: Tiler | None = None) -> ExpertStore:
     """The slow tier `cache` names. `tiler` (the CPU's kernels) has the matrices it reads as tiles
-    held so where each slot is filled once: by the RAM store, which forms them at load, and in
-    resident mode. The file stores of the other modes copy the file's bytes straight into slots
+    held so where each slot is filled once: by the RAM store, which forms them at load (and fills
+    slots with the kernels' copy), and in resident mode. The file stores of the other modes copy the file's bytes straight into slots
     on every miss, where forming tiles would add a pass over each expert to the copy."""
     # Resident mode copies every expert into the pool once; a RAM copy beside it would double
     # the memory, so it fills from the memory-mapped checkpoint instead.
