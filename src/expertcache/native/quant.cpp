@@ -33,10 +33,11 @@
 #include "rank_rows.h"
 
 // A decode product's thread reads its weights in order, eight rows (or one tile of eight) at a
-// time; each call asks for the eight after the next while it sums these. On a CPU whose
-// prefetchers left the kernels waiting on memory, this made Q6_K rows read from memory 1.4-2.2x
-// faster and a decode step 0.71x as long (docs/benchmarks.md, "Against llama.cpp on an Intel
-// Xeon"). A hint only: past the weights' end it reads nothing and cannot fault.
+// time, and asks for the bytes sixteen rows (two tiles) ahead of each block as it reaches that
+// block: a few hints per block, spread over the work, not a whole unit's lines in one burst at
+// the unit's start. On a CPU whose prefetchers left the kernels waiting on memory, the burst made
+// a decode step 0.71x as long, and spreading the same hints made it 0.78x as long again (docs/benchmarks.md, "Against llama.cpp on
+// an Intel Xeon"). A hint only: past the weights' end it reads nothing and cannot fault.
 inline void ask_for(const uint8_t* p, int64_t bytes) {
   for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(p + l, 0, 3);
 }
@@ -912,7 +913,6 @@ template <int BYTES, int DOFF, int MOFF, BlockSums BLOCK>
 void rows8_k(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float* out) {
   constexpr int RUN = 16;
   const Act* pa = &a;
-  ask_for(row + 16 * stride, 8 * stride);
   __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
   __m256i sum[RUN][8], msum[RUN][8];
   alignas(32) float d[RUN][8], dmin[RUN][8];
@@ -921,6 +921,7 @@ void rows8_k(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float*
     for (int r = 0; r < 8; ++r)
       for (int k = 0; k < n; ++k) {
         const uint8_t* b = row + r * stride + (i0 + k) * BYTES;
+        ask_for(b + 16 * stride, BYTES);
         d[k][r] = h2f(b + DOFF);
         dmin[k][r] = h2f(b + MOFF);
         BLOCK(b, &pa, i0 + k, &sum[k][r], &msum[k][r]);
@@ -941,7 +942,6 @@ void rows8_k(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float*
 template <Ints32 INTS, int BYTES>
 void rows8_32(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float* out) {
   constexpr int RUN = 64;
-  ask_for(row + 16 * stride, 8 * stride);
   __m256 acc = _mm256_setzero_ps();
   alignas(32) int32_t tot[8][RUN];
   alignas(32) float d[RUN][8];
@@ -958,6 +958,7 @@ void rows8_32(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float
             continue;
           }
           const uint8_t* b = row + r * stride + (i0 + k) * BYTES;
+          ask_for(b + 16 * stride, BYTES);
           d[k][r] = h2f(b);
           v[j] = dot_i8(INTS(b), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (i0 + k) * 32)));
         }
@@ -977,7 +978,7 @@ void rows8_32(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float
 // A type's tiles for many-row products: bytes per block of eight rows, weights per block, how
 // they are formed from the file's rows, and the kernels for 1-4 activation rows (none on the
 // plain build, whose products take the file's rows).
-using Tile4 = void (*)(const uint8_t*, const Act* const*, int64_t, float*);
+using Tile4 = void (*)(const uint8_t*, const Act* const*, int64_t, float*, int64_t);
 struct Tiling {
   int64_t bytes = 0, block = 0;
   void (*form)(const uint8_t*, int64_t, int64_t, uint8_t*) = nullptr;
@@ -1101,7 +1102,7 @@ inline __m256i q4k_tile_scales(const uint8_t* tl, int which) {
 
 // R activation rows (R <= 4) against one tile column of eight weight rows: out[t * 8 + row].
 template <int R>
-void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out) {
+void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out, int64_t ahead) {
   __m256 acc[R], mins[R];
   for (int t = 0; t < R; ++t) acc[t] = mins[t] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(15);
@@ -1110,6 +1111,7 @@ void tile_q4_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out)
     __m256i sum[R];
     for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
     for (int p = 0; p < 4; ++p) {
+      if (ahead) ask_for(tl + ahead + p * (kQ4KTile / 4), kQ4KTile / 4);
       // Eight groups of 4 add up to at most 8 x 2 x 15 x 127 in each 16-bit lane: no overflow.
       __m256i s0[R], s1[R];
       for (int t = 0; t < R; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
@@ -1172,12 +1174,13 @@ void tiles_32(const uint8_t* rows, int64_t stride, int64_t nb, uint8_t* out) {
 }
 
 template <int R>
-void tile_32(const uint8_t* tiles, const Act* const* a, int64_t K, float* out) {
+void tile_32(const uint8_t* tiles, const Act* const* a, int64_t K, float* out, int64_t ahead) {
   __m256 acc[R];
   for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t i = 0, nb = K / 32; i < nb; ++i) {
     const uint8_t* tl = tiles + i * kTile32;
+    if (ahead) ask_for(tl + ahead, kTile32);
     __m256i sum[R];
     for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
@@ -1235,11 +1238,12 @@ void q6k_tiles(const uint8_t* rows, int64_t stride, int64_t nb, uint8_t* out) {
 }
 
 template <int R>
-void tile_q6_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out) {
+void tile_q6_k(const uint8_t* tiles, const Act* const* a, int64_t K, float* out, int64_t ahead) {
   __m256 acc[R], offs[R];
   for (int t = 0; t < R; ++t) acc[t] = offs[t] = _mm256_setzero_ps();
   for (int64_t i = 0, nb = K / 256; i < nb; ++i) {
     const uint8_t* tl = tiles + i * kQ6KTile;
+    if (ahead) ask_for(tl + ahead, kQ6KTile);
     __m256i sum[R];
     for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
     for (int j = 0; j < 16; ++j) {  // sub-block j: groups 4j .. 4j + 3
@@ -1488,8 +1492,8 @@ void tile_products(const Tiling& tiling, const uint8_t* W, int64_t stride, bool 
         for (int j = 0; j < n; ++j) group[j] = &acts[t + j];
         for (int64_t g = g0; g < g1; ++g) {
           float o[32];
-          if (formed && t == 0) ask_for(src + (g - g0 + 2) * tile, tile);  // later rows find them cached
-          tiling.kern[n - 1](src + (g - g0) * tile, group, K, o);
+          // Held tiles are read from memory by the first group of rows; later ones find them cached.
+          tiling.kern[n - 1](src + (g - g0) * tile, group, K, o, formed && t == 0 ? 2 * tile : 0);
           for (int j = 0; j < n; ++j) std::memcpy(Y + (t + j) * N + g * 8, o + j * 8, 8 * sizeof(float));
         }
       }
@@ -1732,9 +1736,7 @@ void kind_rows(const Kind& k, const uint8_t* w, int64_t i, int64_t run, const Ac
                float* out) {
   if (k.tile) {
     for (int64_t g = 0; g < run / 8; ++g) {
-      const uint8_t* tl = w + (i / 8 + g) * k.stride;
-      ask_for(tl + 2 * k.stride, k.stride);
-      k.tile(tl, &a, K, out + 8 * g);
+      k.tile(w + (i / 8 + g) * k.stride, &a, K, out + 8 * g, 2 * k.stride);
     }
   } else if (a) {
     dot_rows_act(k.fmt, k.ad, k.ad8, w + i * k.stride, k.stride, run, *a, K, out);
