@@ -36,10 +36,11 @@
 // time, and asks for the bytes sixteen rows (two tiles) ahead of each block as it reaches that
 // block: a few hints per block, spread over the work, not a whole unit's lines in one burst at
 // the unit's start. On a CPU whose prefetchers left the kernels waiting on memory, the burst made
-// a decode step 0.71x as long, and spreading the same hints made it 0.78x as long again (docs/benchmarks.md, "Against llama.cpp on
-// an Intel Xeon"). A hint only: past the weights' end it reads nothing and cannot fault.
+// a decode step 0.71x as long, and spreading the same hints 0.78x as long again; asking for the
+// second-level cache rather than the first (prefetcht1, not t0) 0.97x again (docs/benchmarks.md,
+// the Intel Xeon sections). A hint only: past the weights' end it reads nothing and cannot fault.
 inline void ask_for(const uint8_t* p, int64_t bytes) {
-  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(p + l, 0, 3);
+  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(p + l, 0, 2);
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(EXPERTCACHE_PORTABLE)
