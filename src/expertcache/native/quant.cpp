@@ -978,7 +978,8 @@ void rows8_32(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float
 
 // A type's tiles for many-row products: bytes per block of eight rows, weights per block, how
 // they are formed from the file's rows, and the kernels for 1-4 activation rows (none on the
-// plain build, whose products take the file's rows).
+// plain build, whose products take the file's rows). A kernel's last argument: how far past each
+// block to ask for the weights (`ask_for`; 0 where they are already at hand).
 using Tile4 = void (*)(const uint8_t*, const Act* const*, int64_t, float*, int64_t);
 struct Tiling {
   int64_t bytes = 0, block = 0;
