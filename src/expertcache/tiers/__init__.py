@@ -15,8 +15,9 @@ def make_store_for(source: ExpertSource, cache: CacheConfig, device: torch.devic
                    dtype: torch.dtype, tiler: Tiler | None = None) -> ExpertStore:
     """The slow tier `cache` names. `tiler` (the CPU's kernels) has the matrices it reads as tiles
     held so where each slot is filled once: by the RAM store, which forms them at load (and fills
-    slots with the kernels' copy), and in resident mode. The file stores of the other modes copy the file's bytes straight into slots
-    on every miss, where forming tiles would add a pass over each expert to the copy."""
+    slots with the kernels' copy), and in resident mode. The file stores of the other modes copy
+    the file's bytes straight into slots on every miss, where forming tiles would add a pass over
+    each expert to the copy."""
     # Resident mode copies every expert into the pool once; a RAM copy beside it would double
     # the memory, so it fills from the memory-mapped checkpoint instead.
     name = "mmap" if cache.mode == "resident" and cache.store == "ram" else cache.store
