@@ -194,6 +194,73 @@ def test_failed_prefetch_leaves_its_slots_empty(models):
     assert cache.telemetry()["copy_failures"] >= 1
 
 
+# ---- a wave's demand copies on the worker while its other experts compute -------------------
+
+
+@pytest.mark.parametrize("name", ["bundled", "qwen2"])
+def test_disk_store_reads_a_waves_misses_on_the_worker(models, reference, name):
+    # Prefetch off: the worker runs for the disk store alone, and its reads are waves' demand
+    # copies. The counters stay the simulator's, the logits the all-resident ones.
+    model = _load(models[name], experts=12, store="disk", prefetch="off")
+    readers = []
+    model.experts.store.read_hook = lambda _n: readers.append(threading.current_thread().name)
+    _check(model, reference[name])
+    assert WORKER in readers and threading.current_thread().name in readers
+    model = _load(models[name], experts=12, store="disk", prefetch="off")
+    rec = TraceRecorder.for_model(model)
+    rec.generate(model, PROMPT, max_tokens=6, ignore_eos=True)
+    t = rec.trace()
+    total = model.telemetry()["total"]
+    sim = simulate(t.ops(), 12, "lrfu", t.header.expert_bytes)
+    assert (total["demand_misses"], total["copied_bytes"], total["prefetch_issued"]) == (sim.misses, sim.bytes_moved, 0)
+    _slots_hold_what_they_claim(model.experts)
+
+
+def test_a_demand_copy_failing_on_the_worker_is_made_again(models, reference):
+    model = _load(models["qwen2"], experts=10, store="disk", prefetch="off")
+    failed = []
+
+    def fail(_n):
+        if threading.current_thread().name == WORKER:
+            failed.append(1)
+            raise CopyError("injected read failure")
+
+    model.experts.store.read_hook = fail
+    _check(model, reference["qwen2"])
+    assert failed and model.telemetry()["copy_failures"] == len(failed)
+    _slots_hold_what_they_claim(model.experts)
+
+
+def test_a_wave_left_early_leaves_its_misses_unplanned(models):
+    """The caller closes the op after its hits: the misses the worker is still reading leave the
+    bookkeeping, and the close waits for that read, so nothing writes their slots afterwards."""
+    model = _load(models["qwen2"], experts=10, store="disk", prefetch="off")
+    cache = model.experts
+    model.logits(IDS[:4])
+    layer = cache.moe_layers[0]
+    hits = sorted(k.expert for k in cache.residency.resident_keys() if k.layer == layer)[:2]
+    misses = [e for e in range(cache.num_experts) if not cache.residency.is_resident(ExpertKey(layer, e))][:2]
+    assert len(hits) == 2 and len(misses) == 2
+    started, release = threading.Event(), threading.Event()
+
+    def hold(_n):
+        if threading.current_thread().name == WORKER:
+            started.set()
+            release.wait(10)
+
+    cache.store.read_hook = hold
+    op = cache.acquire(layer, sorted(hits + misses))
+    assert [e for e, _ in next(op)] == hits  # the hits first, while the misses are read
+    assert started.wait(10)
+    threading.Timer(0.05, release.set).start()
+    op.close()
+    assert release.is_set()  # the close waited for the read in flight
+    assert not any(cache.residency.is_resident(ExpertKey(layer, e)) for e in misses)
+    assert all(cache.residency.is_resident(ExpertKey(layer, e)) for e in hits)
+    cache.store.read_hook = None
+    _slots_hold_what_they_claim(cache)
+
+
 def test_a_prefetch_failing_while_its_op_is_planned_keeps_its_slot_for_that_op(models):
     """A prefetch whose copy fails after the op that hits it was planned, and before that op plans
     the next prefetch: the op copies it again itself, and its slot is not given to the next

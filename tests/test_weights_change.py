@@ -161,7 +161,9 @@ def test_failed_copies_never_leave_a_slot_claiming_an_expert(versions, cache):
             for s in range(model.experts.capacity):
                 key = model.experts.residency.key_in(s)
                 assert key is None or (model.experts.content[s] is not None and model.experts.content[s].key == key)
-    assert failed > 0 and model.telemetry()["copy_failures"] == failed
+    # Each failed read is one failed copy. A wave's demand copy that failed on the copy worker is
+    # made again by the op (a disk store reads a wave's misses there), so fewer may have raised.
+    assert 0 < failed <= flaky.failures == model.telemetry()["copy_failures"]
 
 
 def _chat(client, words: str, n: int = 8) -> dict:

@@ -45,7 +45,7 @@ from ..telemetry import Telemetry
 from .layout import ExpertFormat, ExpertWeights, expert_weights
 from .policy import ExpertKey, make_policy
 from .residency import Residency
-from .store import LARGE_LOAD_BYTES, ExpertStore, FileVersion, file_version
+from .store import LARGE_LOAD_BYTES, DiskStore, ExpertStore, FileVersion, file_version
 from .transfer import CopyJob, CopyWorker, Transfers
 
 _NOTHING: frozenset = frozenset()
@@ -155,9 +155,9 @@ class ExpertCache:
         pending = self._pending_invalid.pop(layer, None)
         if pending:
             self.telemetry_.pre_invalid_hit += len(pending.intersection(experts))
-        views = self.views[layer]
         copied = ranges = 0
         done = 0  # waves whose copies completed; the residency of later waves' fills is only a plan
+        outstanding: CopyJob | None = None  # a wave's demand copies, on the worker
         try:
             # The next op's prediction is planned here, right after this op's plan (as the trace
             # simulator does); its copies start in the background.
@@ -165,13 +165,35 @@ class ExpertCache:
                 nxt = self.predict(layer)
                 if nxt is not None:
                     self.prefetch(*nxt)
+            # On a CPU, a wave whose bytes are partly there computes those experts first while the
+            # copy worker makes the rest: always with a disk store (a read waits on the disk, not
+            # on a core), and with any store once prefetch has started the worker.
+            split = (self.mode == "cache" and not self.transfers.cuda
+                     and (self._worker is not None or isinstance(self.store, DiskStore)))
+            if split:
+                self._start_worker()
             demand = self._worker.demand if self._worker is not None else nullcontext
             for wave in plan.waves:
                 t0 = time.perf_counter()
+                late = self._late(layer, wave) if split else None
+                if late is not None:
+                    ready = _Part.of(wave, lambda s: s not in late)
+                    if wave.fills:
+                        outstanding = CopyJob(layer, [e for e, _ in wave.fills], [s for _, s in wave.fills], wave)
+                        self._worker.submit(outstanding, first=True)
+                    self._take_prefetched(layer, ready)  # their copies are done: nothing waits
+                    self.telemetry_.stall_seconds += time.perf_counter() - t0
+                    yield from self._compute(layer, ready)
+                    t0 = time.perf_counter()
+                    wave = _Part.of(wave, lambda s: s in late)
                 with demand():
                     if self._pending:
                         copied += self._take_prefetched(layer, wave)
-                    if wave.fills:
+                    if outstanding is not None:
+                        ranges += self._finish_demand(outstanding)
+                        copied += len(outstanding.experts)
+                        outstanding = None
+                    elif wave.fills:
                         if self._worker is not None:
                             self._worker.wait_for_slots([s for _, s in wave.fills])
                         try:
@@ -181,17 +203,12 @@ class ExpertCache:
                             raise
                         copied += len(wave.fills)
                 done += 1
-                self.transfers.before_compute()
                 self.telemetry_.stall_seconds += time.perf_counter() - t0
-                if self.config.verify:
-                    for e, s in zip(wave.experts, wave.slots):
-                        self._verify(layer, e, s)
-                try:
-                    yield [(e, views[s]) for e, s in zip(wave.experts, wave.slots)]
-                finally:
-                    self.transfers.after_compute(wave.slots)
+                yield from self._compute(layer, wave)
         finally:
             self._op_reads = _NOTHING
+            if outstanding is not None:
+                self._settle(outstanding)
             # A copy that failed, or a caller that left early, leaves the bookkeeping as if the
             # remaining copies had never been planned: their slots are not marked resident.
             if done < len(plan.waves):
@@ -199,6 +216,56 @@ class ExpertCache:
         self.telemetry_.op(layer, len(experts), plan.loaded_before, len(plan.hits), copied, ranges,
                            len(plan.evicted), len(plan.waves), prefetch_used=len(plan.prefetched),
                            wasted=plan.wasted)
+
+    def _compute(self, layer: int, wave) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """Hand a wave (or part of one) whose copies are done to the caller."""
+        self.transfers.before_compute()
+        if self.config.verify:
+            for e, s in zip(wave.experts, wave.slots):
+                self._verify(layer, e, s)
+        views = self.views[layer]
+        try:
+            yield [(e, views[s]) for e, s in zip(wave.experts, wave.slots)]
+        finally:
+            self.transfers.after_compute(wave.slots)
+
+    def _late(self, layer: int, wave) -> set[int] | None:
+        """The wave's slots whose bytes are not there yet (its fills, and prefetches of its experts
+        not done or failed), when some of its experts are ready; None otherwise."""
+        late = {s for _, s in wave.fills}
+        for e, s in zip(wave.experts, wave.slots):
+            entry = self._pending.get(s)
+            if entry is not None:
+                job, i = entry
+                if (job.layer, job.experts[i]) == (layer, e) and not (job.done.is_set() and job.error is None):
+                    late.add(s)
+        return late if 0 < len(late) < len(wave.experts) else None
+
+    def _finish_demand(self, job: CopyJob) -> int:
+        """Wait for a wave's demand copies on the worker (or make them here if the worker has not
+        started them); copies that failed there are made again here, as a failed prefetch's are.
+        Returns the transfers issued."""
+        if self._worker.claim(job):
+            self._worker.wait_for_slots(job.slots)
+            self._worker.run_claimed(job)
+        else:
+            job.done.wait()
+        if job.error is None:
+            return job.ranges
+        self.telemetry_.copy_failures += 1
+        try:
+            return self._copy_wave(job.layer, job.wave)
+        except BaseException:
+            self.telemetry_.copy_failures += 1
+            raise
+
+    def _settle(self, job: CopyJob) -> None:
+        """A wave left early: its demand copies are not made if they have not started, and are
+        waited for if they run, so that nothing writes the slots once they are given back."""
+        for i in range(len(job.experts)):
+            if not self._worker.drop(job, i):
+                job.done.wait()
+                return
 
     def _unplan(self, layer: int, waves: list) -> None:
         self._drop_keys([ExpertKey(layer, e) for w in waves for e, _ in w.fills])
@@ -303,7 +370,10 @@ class ExpertCache:
 
     def _run_job(self, job: CopyJob) -> None:
         """A prefetch job's live experts into their slots (on the worker, or on the caller that took
-        it over); in verify mode, their checksums."""
+        it over); in verify mode, their checksums. A job with a wave is that wave's demand copies."""
+        if job.wave is not None:
+            job.ranges = self._copy_wave(job.layer, job.wave)
+            return
         live = [(e, s) for e, s, ok in zip(job.experts, job.slots, job.live) if ok]
         runs = []
         for e, s in live:
@@ -494,6 +564,20 @@ class ExpertCache:
                    slot_bytes=self.slot_bytes, pool_bytes=self.capacity * self.slot_bytes,
                    prefetch=self.prefetching, prefetch_width=self.config.prefetch_width)
         return out
+
+
+@dataclass(slots=True)
+class _Part:
+    """Some of a wave's experts, with their slots and fills."""
+
+    experts: list[int]
+    slots: list[int]
+    fills: list[tuple[int, int]]
+
+    @staticmethod
+    def of(wave, keep: Callable[[int], bool]) -> _Part:
+        pairs = [(e, s) for e, s in zip(wave.experts, wave.slots) if keep(s)]
+        return _Part([e for e, _ in pairs], [s for _, s in pairs], [(e, s) for e, s in wave.fills if keep(s)])
 
 
 @dataclass(slots=True)

@@ -7,7 +7,8 @@ else, and compute waits only for the copies of the wave it is about to run (and 
 nothing was copied).
 
 Prefetch copies (`CopyWorker`) run on a thread of their own, one job at a time, and never start
-while a demand copy is being made; on a GPU the worker issues them on a second, lower-priority
+while a demand copy is being made (on a CPU the worker also makes a wave's demand copies, first
+in its queue, while the op computes the experts already there); on a GPU the worker issues them on a second, lower-priority
 stream and records an event after each job, which compute waits on before reading its slots.
 """
 
@@ -104,12 +105,15 @@ QUEUED, RUNNING, DONE = "queued", "running", "done"
 class CopyJob:
     """One prefetch copy: a run of experts of one layer into consecutive slots. `live[i]` turns
     False when expert i's slot was given to another key before the copy started (the copy skips
-    it). Once RUNNING, only the thread running it touches it until `done` is set."""
+    it). Once RUNNING, only the thread running it touches it until `done` is set. A job with a
+    `wave` is instead that wave's demand copies, made on the worker while the op computes the
+    wave's other experts (`ranges`: the transfers they issued)."""
 
-    __slots__ = ("layer", "experts", "slots", "live", "state", "error", "done", "event")
+    __slots__ = ("layer", "experts", "slots", "wave", "ranges", "live", "state", "error", "done", "event")
 
-    def __init__(self, layer: int, experts: list[int], slots: list[int]):
-        self.layer, self.experts, self.slots = layer, experts, slots
+    def __init__(self, layer: int, experts: list[int], slots: list[int], wave=None):
+        self.layer, self.experts, self.slots, self.wave = layer, experts, slots, wave
+        self.ranges = 0
         self.live = [True] * len(experts)
         self.state = QUEUED
         self.error: BaseException | None = None
@@ -133,9 +137,13 @@ class CopyWorker:
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
-    def submit(self, job: CopyJob) -> None:
+    def submit(self, job: CopyJob, first: bool = False) -> None:
+        """Queue `job` last, or `first` (a demand copy goes before the queued prefetches)."""
         with self._cond:
-            self._queue.append(job)
+            if first:
+                self._queue.appendleft(job)
+            else:
+                self._queue.append(job)
             self._cond.notify_all()
 
     def claim(self, job: CopyJob) -> bool:
@@ -227,4 +235,5 @@ class _Demand:
     def __exit__(self, *exc) -> None:
         with self.worker._cond:
             self.worker._demand -= 1
-            self.worker._cond.notify_all()
+            if self.worker._queue:  # a worker with nothing queued sleeps on
+                self.worker._cond.notify_all()
