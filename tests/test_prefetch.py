@@ -216,6 +216,22 @@ def test_disk_store_reads_a_waves_misses_on_the_worker(models, reference, name):
     _slots_hold_what_they_claim(model.experts)
 
 
+def test_ram_store_splits_waves_where_a_core_is_free(models, reference, monkeypatch):
+    from expertcache.tiers import cache as cache_module
+
+    model = _load(models["bundled"], experts=12, store="ram", prefetch="on")
+    split = []
+    finish = model.experts._finish_demand
+    model.experts._finish_demand = lambda job: (split.append(job.layer), finish(job))[1]
+    monkeypatch.setattr(cache_module, "_core_to_spare", lambda: False)
+    _check(model, reference["bundled"])
+    assert not split
+    monkeypatch.setattr(cache_module, "_core_to_spare", lambda: True)
+    _check(model, reference["bundled"])
+    assert split
+    _slots_hold_what_they_claim(model.experts)
+
+
 def test_a_demand_copy_failing_on_the_worker_is_made_again(models, reference):
     model = _load(models["qwen2"], experts=10, store="disk", prefetch="off")
     failed = []

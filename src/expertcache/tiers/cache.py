@@ -28,6 +28,7 @@ copy does.
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 import zlib
@@ -45,7 +46,7 @@ from ..telemetry import Telemetry
 from .layout import ExpertFormat, ExpertWeights, expert_weights
 from .policy import ExpertKey, make_policy
 from .residency import Residency
-from .store import LARGE_LOAD_BYTES, DiskStore, ExpertStore, FileVersion, file_version
+from .store import LARGE_LOAD_BYTES, ExpertStore, FileVersion, file_version
 from .transfer import CopyJob, CopyWorker, Transfers
 
 _NOTHING: frozenset = frozenset()
@@ -166,10 +167,11 @@ class ExpertCache:
                 if nxt is not None:
                     self.prefetch(*nxt)
             # On a CPU, a wave whose bytes are partly there computes those experts first while the
-            # copy worker makes the rest: always with a disk store (a read waits on the disk, not
-            # on a core), and with any store once prefetch has started the worker.
-            split = (self.mode == "cache" and not self.transfers.cuda
-                     and (self._worker is not None or isinstance(self.store, DiskStore)))
+            # copy worker makes the rest: with the disk store (a read waits on the disk more than
+            # on a core), and with the others once prefetch has started the worker, where a core
+            # is left for its copies (with every core computing they slowed decode, docs/cache.md).
+            split = self.mode == "cache" and not self.transfers.cuda and (
+                self.store.waits_on_device or (self._worker is not None and _core_to_spare()))
             if split:
                 self._start_worker()
             demand = self._worker.demand if self._worker is not None else nullcontext
@@ -564,6 +566,12 @@ class ExpertCache:
                    slot_bytes=self.slot_bytes, pool_bytes=self.capacity * self.slot_bytes,
                    prefetch=self.prefetching, prefetch_width=self.config.prefetch_width)
         return out
+
+
+def _core_to_spare() -> bool:
+    """Whether torch's threads leave one of this process's cores free."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return torch.get_num_threads() < cores
 
 
 @dataclass(slots=True)

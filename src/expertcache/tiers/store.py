@@ -103,6 +103,9 @@ class ExpertStore(ABC):
     """Base: knows the source and the slot geometry; subclasses implement `copy_run`."""
 
     name = ""
+    # Whether a copy mostly waits on a device (a disk read) rather than keeping a core busy: the
+    # cache then reads a wave's misses on its worker while the wave's hits compute.
+    waits_on_device = False
 
     def __init__(self, source: ExpertSource, dtype: torch.dtype, tiler: Tiler | None = None):
         self.source, self.dtype, self.tiler = source, dtype, tiler
@@ -168,6 +171,7 @@ class DiskStore(ExpertStore):
 
     name = "disk"
     drop_cache = True  # posix_fadvise(DONTNEED) after each read: the page cache keeps nothing
+    waits_on_device = True
 
     def __init__(self, source: ExpertSource, dtype: torch.dtype, tiler: Tiler | None = None):
         super().__init__(source, dtype, tiler)
@@ -251,6 +255,7 @@ class MmapStore(DiskStore):
 
     name = "mmap"
     drop_cache = False
+    waits_on_device = False  # the page cache answers most reads: a copy on a core
 
 
 STORE_CLASSES = {"ram": RamStore, "mmap": MmapStore, "disk": DiskStore}
