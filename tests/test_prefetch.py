@@ -59,6 +59,19 @@ def _check(model, want) -> None:
     assert model.generate(PROMPT, max_tokens=6, ignore_eos=True).token_ids == tokens
 
 
+def _fail_reads_on_the_worker(store) -> list[int]:
+    """Make every read on the copy worker fail; returns the list that counts the failures."""
+    failed = []
+
+    def fail(_n):
+        if threading.current_thread().name == WORKER:
+            failed.append(1)
+            raise CopyError("injected read failure")
+
+    store.read_hook = fail
+    return failed
+
+
 def _slots_hold_what_they_claim(cache) -> int:
     """Every resident key's slot holds that expert's bytes as the slow tier gives them."""
     cache.quiesce()
@@ -156,14 +169,7 @@ def test_slowed_worker_changes_nothing(models, reference):
 @pytest.mark.parametrize("name", ["bundled", "qwen2"])
 def test_failing_worker_rolls_back_and_demand_recovers(models, reference, name):
     model = _load(models[name], experts=12, store="disk", prefetch="on", prefetch_width=1.5)
-    failed = []
-
-    def fail(_n):
-        if threading.current_thread().name == WORKER:
-            failed.append(1)
-            raise CopyError("injected read failure")
-
-    model.experts.store.read_hook = fail
+    failed = _fail_reads_on_the_worker(model.experts.store)
     _check(model, reference[name])
     assert failed and model.telemetry()["copy_failures"] > 0
     assert _slots_hold_what_they_claim(model.experts) > 0
@@ -179,11 +185,7 @@ def test_failed_prefetch_leaves_its_slots_empty(models):
     cache = model.experts
     model.logits(IDS[:1])  # op 0 plans nothing: let some ops pass first; the last pins 4 slots
 
-    def fail(_n):
-        if threading.current_thread().name == WORKER:
-            raise CopyError("injected read failure")
-
-    cache.store.read_hook = fail
+    _fail_reads_on_the_worker(cache.store)
     layer = cache.moe_layers[0]
     resident = {k.expert for k in cache.residency.resident_keys() if k.layer == layer}
     wanted = [e for e in range(cache.num_experts) if e not in resident][:3]
@@ -234,14 +236,7 @@ def test_ram_store_splits_waves_where_a_core_is_free(models, reference, monkeypa
 
 def test_a_demand_copy_failing_on_the_worker_is_made_again(models, reference):
     model = _load(models["qwen2"], experts=10, store="disk", prefetch="off")
-    failed = []
-
-    def fail(_n):
-        if threading.current_thread().name == WORKER:
-            failed.append(1)
-            raise CopyError("injected read failure")
-
-    model.experts.store.read_hook = fail
+    failed = _fail_reads_on_the_worker(model.experts.store)
     _check(model, reference["qwen2"])
     assert failed and model.telemetry()["copy_failures"] == len(failed)
     _slots_hold_what_they_claim(model.experts)

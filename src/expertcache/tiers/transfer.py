@@ -8,8 +8,9 @@ nothing was copied).
 
 Prefetch copies (`CopyWorker`) run on a thread of their own, one job at a time, and never start
 while a demand copy is being made (on a CPU the worker also makes a wave's demand copies, first
-in its queue, while the op computes the experts already there); on a GPU the worker issues them on a second, lower-priority
-stream and records an event after each job, which compute waits on before reading its slots.
+in its queue, while the op computes the experts already there); on a GPU the worker issues them
+on a second, lower-priority stream and records an event after each job, which compute waits on
+before reading its slots.
 """
 
 from __future__ import annotations
