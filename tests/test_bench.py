@@ -72,6 +72,26 @@ def test_bench_cache_prints_table_and_json(synth_model, capsys):
     assert staging["hit_rate"] == 0 and staging["copied_bytes_per_token"] > cache["copied_bytes_per_token"]
     assert out["results"][0]["decode"]["copied_bytes_per_token"] == 0
     assert out["device"] == "cpu" and {r["device"] for r in out["results"]} == {"cpu"}
+    assert out["prefetch_bounds"] == []  # no prefetch on/off pair was measured
+
+
+def test_overlap_bound_by_hand():
+    """Resident 20 ms a token; prefetch off 50 ms with 40 MB copied a token in 0.2 s over 10 tokens
+    (2 GB/s: 20 ms of reads); prefetch on 40 ms with 50 MB (25 ms of reads)."""
+    from expertcache.bench.cache_bench import bounds_text, overlap_bounds
+
+    def row(mode, tok_s, prefetch=False, mb=0.0, copy_s=0.0, device="cpu"):
+        return {"mode": mode, "store": "disk", "fraction": 0.25, "prefetch": prefetch, "device": device,
+                "decode": {"tok_s": tok_s, "tokens": 10, "copied_bytes_per_token": mb * 1e6, "copy_seconds": copy_s}}
+
+    rows = [row("resident", 50), row("staging", 5), row("cache", 20, False, 40, 0.2), row("cache", 25, True, 50, 0.1)]
+    (b,) = overlap_bounds(rows)
+    assert b["read_gb_s"] == pytest.approx(2.0) and b["reads_s"] == pytest.approx(0.025)
+    assert b["x_bound"] == pytest.approx(1.6) and b["speedup"] == pytest.approx(1.25) and b["ceiling"] == pytest.approx(2.0)
+    assert "= 1.60x max(compute 20.0 ms, reads 25.0 ms at 2.00 GB/s)" in bounds_text([b])
+    # Without the pair, or on a GPU (whose copy time is the time to issue them): nothing.
+    assert overlap_bounds(rows[:3]) == []
+    assert overlap_bounds([row("resident", 50, device="cuda")] + rows[1:]) == []
 
 
 @pytest.mark.parametrize("device,needle", [("cuda:99", "cuda:99"), ("meta", "not supported")])

@@ -244,6 +244,41 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def overlap_bounds(rows: list[dict]) -> list[dict]:
+    """For each store and capacity measured with prefetch off and on beside the resident mode, on
+    a CPU: prefetch's decode time per token against max(compute, reads), compute being the
+    resident time and reads the bytes copied per token with prefetch over the rate of prefetch
+    off's demand copies (its bytes over their `copy_seconds`); and prefetch's speed-up beside its
+    ceiling, (compute + reads without prefetch) / max(compute, those reads). The bound holds when
+    the copies overlap compute instead of adding to it (docs/cache.md, "Prefetch")."""
+    resident = {r["store"]: r["decode"] for r in rows if r["mode"] == "resident" and r["device"] == "cpu"}
+    by_setting: dict[tuple, dict[bool, dict]] = {}
+    for r in rows:
+        if r["mode"] == "cache" and r["store"] in resident:
+            by_setting.setdefault((r["store"], r["fraction"]), {})[bool(r["prefetch"])] = r["decode"]
+    out = []
+    for (store, fraction), pair in by_setting.items():
+        off, on = pair.get(False), pair.get(True)
+        if off is None or on is None or off["copy_seconds"] <= 0:
+            continue
+        compute = 1 / resident[store]["tok_s"]
+        rate = off["copied_bytes_per_token"] * off["tokens"] / off["copy_seconds"]
+        reads_on, reads_off = on["copied_bytes_per_token"] / rate, off["copied_bytes_per_token"] / rate
+        t_on, t_off = 1 / on["tok_s"], 1 / off["tok_s"]
+        out.append({"store": store, "fraction": fraction, "compute_s": compute, "read_gb_s": rate / 1e9,
+                    "reads_s": reads_on, "s_per_token": t_on, "x_bound": t_on / max(compute, reads_on),
+                    "speedup": t_off / t_on, "ceiling": (compute + reads_off) / max(compute, reads_off)})
+    return out
+
+
+def bounds_text(bounds: list[dict]) -> str:
+    return "\n".join(
+        f"prefetch, {b['store']} {'-' if b['fraction'] is None else format(b['fraction'], '.0%')}: "
+        f"{b['s_per_token'] * 1e3:.1f} ms/token = {b['x_bound']:.2f}x max(compute {b['compute_s'] * 1e3:.1f} ms, "
+        f"reads {b['reads_s'] * 1e3:.1f} ms at {b['read_gb_s']:.2f} GB/s); {b['speedup']:.2f}x as fast as "
+        f"without prefetch, of a ceiling of {b['ceiling']:.2f}x" for b in bounds)
+
+
 def cmd_bench_cache(args) -> int:
     from ..models.loader import open_model
     from ..errors import ExpertCacheError
@@ -266,9 +301,13 @@ def cmd_bench_cache(args) -> int:
                                    f"{p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
         rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
     print(table(rows))
+    bounds = overlap_bounds(rows)
+    if bounds:
+        print(bounds_text(bounds))
     print(json.dumps({"bench": "cache", "model": str(args.model), "device": args.device, "threads": args.threads,
                       "kernels": args.kernels,
-                      "prefill_tokens": args.prefill, "decode_tokens": args.decode, "results": rows}))
+                      "prefill_tokens": args.prefill, "decode_tokens": args.decode, "results": rows,
+                      "prefetch_bounds": bounds}))
     return 0
 
 
