@@ -87,7 +87,7 @@ def test_overlap_bound_by_hand():
     rows = [row("resident", 50), row("staging", 5), row("cache", 20, False, 40, 0.2), row("cache", 25, True, 50, 0.1)]
     (b,) = overlap_bounds(rows)
     assert b["read_gb_s"] == pytest.approx(2.0) and b["reads_s"] == pytest.approx(0.025)
-    assert b["x_bound"] == pytest.approx(1.6) and b["speedup"] == pytest.approx(1.25) and b["ceiling"] == pytest.approx(2.0)
+    assert (b["x_bound"], b["speedup"], b["ceiling"]) == pytest.approx((1.6, 1.25, 2.0))
     assert "= 1.60x max(compute 20.0 ms, reads 25.0 ms at 2.00 GB/s)" in bounds_text([b])
     # Without the pair, or on a GPU (whose copy time is the time to issue them): nothing.
     assert overlap_bounds(rows[:3]) == []
