@@ -23,7 +23,7 @@ from conftest import VOCAB
 
 IDS = torch.randint(4, VOCAB, (24,), generator=torch.Generator().manual_seed(5))
 PROMPT = IDS[:10].tolist()
-WORKER = "expertcache-prefetch"
+WORKER = "expertcache-copy"
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import resource
 import sys
+import threading
 import time
 from collections import Counter
 
@@ -42,6 +43,13 @@ class Telemetry:
         self.stall_seconds = 0.0  # wall time compute waited before a wave: its copies, or prefetches
         self.trace_every = trace_every
         self._ops = 0
+        self._time_lock = threading.Lock()
+
+    def add_seconds(self, name: str, seconds: float) -> None:
+        """Add to one of the `*_seconds` sums: the copy worker and the op's thread both time
+        copies, and `+=` on an attribute can lose one of two concurrent updates."""
+        with self._time_lock:
+            setattr(self, name, getattr(self, name) + seconds)
 
     def _layer(self, layer: int) -> Counter:
         c = self.layers.get(layer)

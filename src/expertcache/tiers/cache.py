@@ -184,7 +184,7 @@ class ExpertCache:
                         outstanding = CopyJob(layer, [e for e, _ in wave.fills], [s for _, s in wave.fills], wave)
                         self._worker.submit(outstanding, first=True)
                     self._take_prefetched(layer, ready)  # their copies are done: nothing waits
-                    self.telemetry_.stall_seconds += time.perf_counter() - t0
+                    self.telemetry_.add_seconds("stall_seconds", time.perf_counter() - t0)
                     yield from self._compute(layer, ready)
                     t0 = time.perf_counter()
                     wave = _Part.of(wave, lambda s: s in late)
@@ -205,7 +205,7 @@ class ExpertCache:
                             raise
                         copied += len(wave.fills)
                 done += 1
-                self.telemetry_.stall_seconds += time.perf_counter() - t0
+                self.telemetry_.add_seconds("stall_seconds", time.perf_counter() - t0)
                 yield from self._compute(layer, wave)
         finally:
             self._op_reads = _NOTHING
@@ -307,7 +307,7 @@ class ExpertCache:
             self.transfers.copy(list(range(slot, slot + count)),
                                 lambda nb, f=first, d=dst: self.store.copy_run(layer, f, d, nb))
             issued += self.store.ranges(layer, first, count)
-        self.telemetry_.copy_seconds += time.perf_counter() - t0
+        self.telemetry_.add_seconds("copy_seconds", time.perf_counter() - t0)
         self._describe(layer, wave.fills)
         if self.config.verify:
             for _, s in wave.fills:
@@ -391,7 +391,7 @@ class ExpertCache:
                 self.store.copy_run(job.layer, first, self.pool[slot: slot + count], nb)
 
         job.event = self.transfers.prefetch_copy([s for _, s in live], do_copy)
-        self.telemetry_.prefetch_copy_seconds += time.perf_counter() - t0
+        self.telemetry_.add_seconds("prefetch_copy_seconds", time.perf_counter() - t0)
         if self.config.verify:
             if job.event is not None:
                 job.event.synchronize()

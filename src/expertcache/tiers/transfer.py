@@ -128,7 +128,7 @@ class CopyWorker:
     `claim`ed, and the caller then runs it itself (the demand path takes it over); a running one
     is waited for. `run(job)` does the copies; what it raises is kept in `job.error`."""
 
-    def __init__(self, run: Callable[[CopyJob], None], name: str = "expertcache-prefetch"):
+    def __init__(self, run: Callable[[CopyJob], None], name: str = "expertcache-copy"):
         self._run = run
         self._cond = threading.Condition()
         self._queue: deque[CopyJob] = deque()
