@@ -2,7 +2,10 @@
 "A fitted predictor"): prefetched keys entering LRFU with their past score and no added use
 (`QuietResidency`, from extra_tables.py), and an admission rule: a predicted key is prefetched
 into an occupied slot only if the lowest LRFU score among the unpinned resident keys is below the
-predicted key's score plus `alpha`. Each cell: demand misses over MIN's / bytes over lrfu's
+predicted key's score plus `alpha`; a recency guard (`GuardResidency`): a prefetch never evicts a
+key used by the last `window` ops (one decode step: as many ops as MoE layers), not only the op in
+flight; and, as a bound rather than a variant, each prediction without the experts its op does not
+use (`right only`: the predictor's recall, no wrong guesses). Each cell: demand misses over MIN's / bytes over lrfu's
 without prefetch, width 1.0. Run from the repository root:
 `python docs/traces/prefetch_variants.py docs/traces/fitted/chat.npz docs/traces/moe64/fitted/long-prefill.npz`.
 """
@@ -40,10 +43,27 @@ class AdmitResidency(Residency):
                 keep.append(e); j += 1
         return super().plan_prefetch(layer, keep)
 
-def run(ops, cap, preds, res_cls, pol_cls, b, alpha=None):
+class GuardResidency(Residency):
+    """Pins, for a prefetch, the keys of the last `window` ops instead of the last op's alone."""
+
+    window = 4
+    def plan(self, layer, experts):
+        p = super().plan(layer, experts)
+        self._recent = (getattr(self, "_recent", []) + [[ExpertKey(layer, e) for e in experts]])[-self.window:]
+        return p
+
+    def plan_prefetch(self, layer, experts):
+        last, self._last_op = self._last_op, [k for op in self._recent for k in op]
+        try:
+            return super().plan_prefetch(layer, experts)
+        finally:
+            self._last_op = last
+
+def run(ops, cap, preds, res_cls, pol_cls, b, alpha=None, window=None):
     pol = pol_cls(cap)
     res = res_cls(cap, pol)
     if alpha is not None: res.alpha = alpha
+    if window is not None: res.window = window
     misses = issued = 0
     for i, (layer, ex) in enumerate(ops):
         misses += len(res.plan(layer, ex).misses)
@@ -57,9 +77,13 @@ for path in sys.argv[1:]:
     for label, cap in parse_capacities("25%,50%", h.total_experts):
         mn = simulate_belady(ops, cap, b).misses
         base = simulate(ops, cap, "lrfu", b).misses
-        out = [f"{path.split('/')[-2]}/{path.split('/')[-1]} {label}"]
+        out = [f"{path.removeprefix('docs/traces/')} {label}"]
         m, c = run(ops, cap, preds, Residency, LRFU, b); out.append(f"plain {m/mn:.2f}/{c/base:.2f}")
         m, c = run(ops, cap, preds, QuietResidency, QuietPrefetchLRFU, b); out.append(f"quiet {m/mn:.2f}/{c/base:.2f}")
         for a in (0.25, 0.5, 1.0):
             m, c = run(ops, cap, preds, AdmitResidency, LRFU, b, a); out.append(f"admit{a} {m/mn:.2f}/{c/base:.2f}")
+        layers = len({layer for layer, _ in ops})
+        m, c = run(ops, cap, preds, GuardResidency, LRFU, b, window=layers); out.append(f"guard{layers} {m/mn:.2f}/{c/base:.2f}")
+        right = [p if p is None else [e for e in p if e in set(ops[i][1])] for i, p in enumerate(preds)]
+        m, c = run(ops, cap, right, Residency, LRFU, b); out.append(f"right-only {m/mn:.2f}/{c/base:.2f}")
         print("  ".join(out), flush=True)
