@@ -5,11 +5,14 @@ into an occupied slot only if the lowest LRFU score among the unpinned resident 
 predicted key's score plus `alpha`; a recency guard (`GuardResidency`): a prefetch never evicts a
 key used by the last `window` ops (one decode step: as many ops as MoE layers), not only the op in
 flight; and, as a bound rather than a variant, each prediction without the experts its op does not
-use (`right only`: the predictor's recall, no wrong guesses). Each cell: demand misses over MIN's / bytes over lrfu's
+use (`right only`: the predictor's recall, no wrong guesses), and a better predictor simulated by
+replacing a share q of each decode prediction's wrong guesses with experts its op uses that it
+missed (`better q`, printed with the resulting precision P at width 1.0). Each cell: demand misses over MIN's / bytes over lrfu's
 without prefetch, width 1.0. Run from the repository root:
 `python docs/traces/prefetch_variants.py docs/traces/fitted/chat.npz docs/traces/moe64/fitted/long-prefill.npz`.
 """
 import os
+import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +62,23 @@ class GuardResidency(Residency):
         finally:
             self._last_op = last
 
+def better_guesses(ops, preds, q, seed=0):
+    """Each decode op's prediction with a share `q` of its wrong guesses (drawn with a fixed seed)
+    replaced by used experts it missed; returns them and their precision."""
+    rng = random.Random(seed)
+    out, right, total = [], 0, 0
+    for (_, used), pred in zip(ops, preds):
+        if pred is None or len(used) > len(pred):  # not predicted, or a prefill op: as recorded
+            out.append(pred)
+            continue
+        missed = [e for e in used if e not in pred]
+        new = [missed.pop() if e not in used and missed and rng.random() < q else e for e in pred]
+        right += len(set(new).intersection(used))
+        total += len(new)
+        out.append(new)
+    return out, right / total
+
+
 def run(ops, cap, preds, res_cls, pol_cls, b, alpha=None, window=None):
     pol = pol_cls(cap)
     res = res_cls(cap, pol)
@@ -86,4 +106,7 @@ for path in sys.argv[1:]:
         m, c = run(ops, cap, preds, GuardResidency, LRFU, b, window=layers); out.append(f"guard{layers} {m/mn:.2f}/{c/base:.2f}")
         right = [p if p is None else [e for e in p if e in set(ops[i][1])] for i, p in enumerate(preds)]
         m, c = run(ops, cap, right, Residency, LRFU, b); out.append(f"right-only {m/mn:.2f}/{c/base:.2f}")
+        for q in (0.25, 0.5, 0.75):
+            better, p = better_guesses(ops, preds, q)
+            m, c = run(ops, cap, better, Residency, LRFU, b); out.append(f"better{q} P={p:.2f} {m/mn:.2f}/{c/base:.2f}")
         print("  ".join(out), flush=True)
