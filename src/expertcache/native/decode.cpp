@@ -53,11 +53,11 @@ inline float dot(const uint16_t* row, const uint16_t* x, int64_t K) {
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
-    // A decode product reads its rows one after the other: ask for the bytes 16 KiB ahead (into
-    // the second-level cache), two lines per step. On an Intel Xeon whose prefetchers left the
-    // products waiting on memory, a bf16 decode step then took 0.80x the time, and 0.85x with
-    // `dot_widened`'s AVX2 path, which asks the same (docs/benchmarks.md, first section). A hint
-    // only: past the weights it reads nothing and cannot fault.
+    // A decode product reads its rows one after the other: ask for the bytes 16 KiB ahead (into the
+    // second-level cache), two lines per step. On an Intel Xeon whose prefetchers left the products
+    // waiting on memory, a bf16 decode step then took 0.80x the time, and 0.85x with `dot_widened`'s
+    // AVX2 path, which asks the same (docs/benchmarks.md, the Intel Xeon sections). A hint only: past
+    // the weights it reads nothing and cannot fault.
     _mm_prefetch(reinterpret_cast<const char*>(row + k) + 16384, _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(row + k) + 16384 + 64, _MM_HINT_T1);
     a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(row + k), (__m512bh)_mm512_loadu_si512(x + k));
