@@ -28,6 +28,7 @@ copy does.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import weakref
@@ -45,7 +46,7 @@ from ..memory import host_zeros
 from ..telemetry import Telemetry
 from .layout import ExpertFormat, ExpertWeights, expert_weights
 from .policy import ExpertKey, make_policy
-from .residency import Residency
+from .residency import Residency, Wave
 from .store import LARGE_LOAD_BYTES, ExpertStore, FileVersion, file_version
 from .transfer import CopyJob, CopyWorker, Transfers
 
@@ -179,7 +180,7 @@ class ExpertCache:
                 t0 = time.perf_counter()
                 late = self._late(layer, wave) if split else None
                 if late is not None:
-                    ready = _Part.of(wave, lambda s: s not in late)
+                    ready = _part(wave, lambda s: s not in late)
                     if wave.fills:
                         outstanding = CopyJob(layer, [e for e, _ in wave.fills], [s for _, s in wave.fills], wave)
                         self._worker.submit(outstanding, first=True)
@@ -187,7 +188,7 @@ class ExpertCache:
                     self.telemetry_.add_seconds("stall_seconds", time.perf_counter() - t0)
                     yield from self._compute(layer, ready)
                     t0 = time.perf_counter()
-                    wave = _Part.of(wave, lambda s: s in late)
+                    wave = _part(wave, lambda s: s in late)
                 with demand():
                     if self._pending:
                         copied += self._take_prefetched(layer, wave)
@@ -198,11 +199,7 @@ class ExpertCache:
                     elif wave.fills:
                         if self._worker is not None:
                             self._worker.wait_for_slots([s for _, s in wave.fills])
-                        try:
-                            ranges += self._copy_wave(layer, wave)
-                        except BaseException:
-                            self.telemetry_.copy_failures += 1
-                            raise
+                        ranges += self._copy_demand(layer, wave)
                         copied += len(wave.fills)
                 done += 1
                 self.telemetry_.add_seconds("stall_seconds", time.perf_counter() - t0)
@@ -247,16 +244,16 @@ class ExpertCache:
         """Wait for a wave's demand copies on the worker (or make them here if the worker has not
         started them); copies that failed there are made again here, as a failed prefetch's are.
         Returns the transfers issued."""
-        if self._worker.claim(job):
-            self._worker.wait_for_slots(job.slots)
-            self._worker.run_claimed(job)
-        else:
-            job.done.wait()
+        self._worker.finish(job)
         if job.error is None:
             return job.ranges
         self.telemetry_.copy_failures += 1
+        return self._copy_demand(job.layer, job.wave)
+
+    def _copy_demand(self, layer: int, wave) -> int:
+        """`_copy_wave` for an op's own copies, a failure counted."""
         try:
-            return self._copy_wave(job.layer, job.wave)
+            return self._copy_wave(layer, wave)
         except BaseException:
             self.telemetry_.copy_failures += 1
             raise
@@ -410,11 +407,7 @@ class ExpertCache:
             job, i = entry
             if (job.layer, job.experts[i]) != (layer, e):
                 continue
-            if self._worker.claim(job):
-                self._worker.wait_for_slots(job.slots)
-                self._worker.run_claimed(job)
-            else:
-                job.done.wait()
+            self._worker.finish(job)
             del self._pending[s]
             if job.error is None:
                 self.transfers.wait_prefetched(job.event)
@@ -568,24 +561,22 @@ class ExpertCache:
         return out
 
 
+@functools.cache
+def _cores() -> int:
+    """This process's cores, asked once: every op of a split-capable cache checks against it."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _core_to_spare() -> bool:
     """Whether torch's threads leave one of this process's cores free."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return torch.get_num_threads() < cores
+    return torch.get_num_threads() < _cores()
 
 
-@dataclass(slots=True)
-class _Part:
-    """Some of a wave's experts, with their slots and fills."""
-
-    experts: list[int]
-    slots: list[int]
-    fills: list[tuple[int, int]]
-
-    @staticmethod
-    def of(wave, keep: Callable[[int], bool]) -> _Part:
-        pairs = [(e, s) for e, s in zip(wave.experts, wave.slots) if keep(s)]
-        return _Part([e for e, _ in pairs], [s for _, s in pairs], [(e, s) for e, s in wave.fills if keep(s)])
+def _part(wave: Wave, keep: Callable[[int], bool]) -> Wave:
+    """The experts of `wave` whose slots `keep` selects, with their fills (no copy runs: the part
+    is computed, its copies are made from the whole wave)."""
+    pairs = [(e, s) for e, s in zip(wave.experts, wave.slots) if keep(s)]
+    return Wave([e for e, _ in pairs], [s for _, s in pairs], [(e, s) for e, s in wave.fills if keep(s)])
 
 
 @dataclass(slots=True)

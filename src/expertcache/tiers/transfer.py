@@ -168,6 +168,15 @@ class CopyWorker:
                 job.state = DONE
                 job.done.set()
 
+    def finish(self, job: CopyJob) -> None:
+        """Have `job` done: run here if the worker has not started it (once the job the worker
+        runs no longer writes its slots), waited for otherwise. Its error is in `job.error`."""
+        if self.claim(job):
+            self.wait_for_slots(job.slots)
+            self.run_claimed(job)
+        else:
+            job.done.wait()
+
     def drop(self, job: CopyJob, i: int) -> bool:
         """Expert i of `job` is not to be copied: True when the job had not started (nothing of it
         was written); False when it is running or done (wait before reusing its slot)."""
