@@ -256,3 +256,67 @@ def test_packed_checkpoint_layout(checkpoints):
     row = ck.read_rows("model.layers.1.mlp.experts.packed", 5)
     parts = [plain.read(f"model.layers.1.mlp.experts.5.{p}_proj.weight").reshape(-1) for p in ("gate", "up", "down")]
     assert torch.equal(row, torch.cat(parts))
+
+
+def test_written_checkpoints_start_their_experts_on_pages(checkpoints):
+    """`pack` (and `synth`, through the same writer) puts every tensor whose size is a whole number
+    of 4 KiB pages on a page boundary, experts first; the header's padding is what safetensors
+    allows, so its reader (behind `Checkpoint.read`) gives the same tensors."""
+    from expertcache.checkpoint.safetensors_io import Checkpoint
+
+    ck, plain = Checkpoint(checkpoints["packed"]), Checkpoint(checkpoints["plain"])
+    for layer in range(LAYERS):
+        info = ck.info(f"model.layers.{layer}.mlp.experts.packed")
+        assert info.nbytes % 4096 == 0 and info.offset % 4096 == 0
+    for name in plain.tensors:
+        if ".experts." not in name:
+            assert torch.equal(ck.read(name), plain.read(name)), name
+
+
+def _o_direct_here(path) -> bool:
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
+def test_disk_store_reads_page_aligned_experts_with_o_direct(checkpoints, reference_logits):
+    path = checkpoints["packed"]
+    if not _o_direct_here(path / "model.safetensors"):
+        pytest.skip("the test directory's file system does not support O_DIRECT")
+    model = expertcache.load(path, cache=CacheConfig(mode="cache", experts=TOTAL // 4, store="disk"))
+    assert torch.equal(model.logits(IDS), reference_logits)
+    store = model.experts.store
+    assert store.reads > 0 and store.direct_reads == store.reads
+    # The per-expert checkpoint of transformers' writer is not aligned: every read is buffered.
+    plain = expertcache.load(checkpoints["plain"], cache=CacheConfig(mode="cache", experts=TOTAL // 4, store="disk"))
+    assert torch.equal(plain.logits(IDS), reference_logits)
+    assert plain.experts.store.reads > 0 and plain.experts.store.direct_reads == 0
+
+
+def test_o_direct_refused_falls_back_to_buffered_reads(checkpoints, reference_logits, monkeypatch):
+    """A device asking for a coarser alignment answers EINVAL: the read is made again buffered,
+    and that file is read buffered from then on."""
+    import errno
+
+    from expertcache.tiers import store as storemod
+
+    model = expertcache.load(checkpoints["packed"], cache=CacheConfig(mode="cache", experts=TOTAL // 4,
+                                                                      store="disk"))
+    store = model.experts.store
+    direct = set(store._direct_fds.values())
+    if not direct:
+        pytest.skip("the test directory's file system does not support O_DIRECT")
+    real = os.preadv
+    refused = []
+
+    def preadv(fd, buffers, offset):
+        if fd in direct:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(storemod.os, "preadv", preadv)
+    assert torch.equal(model.logits(IDS), reference_logits)
+    assert len(refused) == 1 and store._direct_fds == {} and store.direct_reads == 0 and store.reads > 0

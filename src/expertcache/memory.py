@@ -5,7 +5,8 @@ each 4 KiB page it crosses costs a TLB miss; with 2 MiB pages those misses nearl
 gives transparent huge pages only to memory that asks for them when the system setting is
 `madvise` (a common default), and torch's allocator does not ask, so the weights, the slot pool,
 the RAM tier and the bandwidth probes that judge them are all allocated here. Elsewhere (other
-systems, GPU tensors, pinned memory, small tensors) this is plain `torch.zeros`.
+systems, small tensors) it is `torch.zeros` started on a 4 KiB page; for GPU tensors and pinned
+memory, plain `torch.zeros`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import mmap
 import torch
 
 HUGE_PAGE = 2 << 20
+PAGE = 4096
 _CAN_ADVISE = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
 
 
@@ -29,8 +31,13 @@ def host_zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: t
     for n in shape:
         numel *= n
     nbytes = numel * dtype.itemsize
-    if pin or not _CAN_ADVISE or torch.device(device).type != "cpu" or nbytes < HUGE_PAGE:
+    if pin or torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+    if not _CAN_ADVISE or nbytes < HUGE_PAGE:
+        # On a page boundary all the same, as the disk store's O_DIRECT reads into slots need.
+        raw = torch.zeros(nbytes + PAGE, dtype=torch.uint8)
+        skip = -raw.data_ptr() % PAGE
+        return raw[skip: skip + nbytes].view(dtype).view(tuple(shape))
     # One extra huge page, so that the tensor can start on a 2 MiB boundary: the kernel backs
     # only whole, aligned 2 MiB ranges with huge pages. Anonymous mappings are zero-filled.
     try:

@@ -35,19 +35,28 @@ class PlannedTensor:
         return n
 
 
+# The data starts on a boundary of this many bytes, and every tensor whose size is a multiple of
+# it comes first: such a tensor (the experts, in any model large enough to need a disk store)
+# starts on a boundary too, so the disk store can read it with O_DIRECT (store.py).
+DATA_ALIGN = 4096
+
+
 def write_safetensors(path: Path, tensors: list[PlannedTensor], on_bytes: Callable[[int], None] | None = None) -> None:
     header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for t in tensors:
-        header[t.name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape),
-                          "data_offsets": [offset, offset + t.nbytes]}
+    order = sorted(tensors, key=lambda t: t.nbytes % DATA_ALIGN != 0)  # stable: planned order within each
+    offsets, offset = {}, 0
+    for t in order:
+        offsets[t.name] = offset
         offset += t.nbytes
+    for t in tensors:  # the header lists them as planned; the offsets say where each lies
+        header[t.name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [offsets[t.name], offsets[t.name] + t.nbytes]}
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+    raw += b" " * (-(8 + len(raw)) % DATA_ALIGN)  # the header's padding, which safetensors allows
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for t in tensors:
+        for t in order:
             written = 0
             for part in t.produce():
                 if part.dtype != t.dtype:

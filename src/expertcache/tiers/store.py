@@ -6,7 +6,10 @@ one layer into consecutive slots.
 - `MmapStore`: experts read from the checkpoint through the page cache, which keeps them.
 - `DiskStore`: experts read with `preadv` straight into their slots (or through a bounce buffer
   when float matrices must change dtype), then `posix_fadvise(DONTNEED)` so the page cache does
-  not quietly hold the model and a RAM budget stays honest.
+  not quietly hold the model and a RAM budget stays honest. Where a read's file offset, length
+  and buffers lie on 4 KiB boundaries (the checkpoints `synth` and `pack` write put the experts
+  there), it is made with O_DIRECT: the device writes into the slot, and no core copies the bytes
+  out of the page cache (which took a core about 0.15-0.3 s per GB here, time taken from compute).
 
 A store sees experts only through an `ExpertSource` (bytes and their format) and copies bytes: a
 quantized matrix is copied as the file holds it; a float matrix is converted to the compute dtype
@@ -23,12 +26,14 @@ stores also check it after every copy, so a call never uses bytes of two version
 
 from __future__ import annotations
 
+import errno
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -66,6 +71,15 @@ class ExpertSource(Protocol):
 
     def read(self, layer: int, e: int) -> torch.Tensor:
         """Expert (layer, e)'s bytes [nbytes] uint8, in the file's format."""
+
+
+DIRECT_ALIGN = 4096  # O_DIRECT's offsets, lengths and buffer addresses: a multiple of any device's block
+
+
+def aligned(offset: int, targets: list[memoryview]) -> bool:
+    """Whether a read at `offset` into `targets` meets O_DIRECT's alignment."""
+    return offset % DIRECT_ALIGN == 0 and all(
+        t.nbytes % DIRECT_ALIGN == 0 and np.frombuffer(t, np.uint8).ctypes.data % DIRECT_ALIGN == 0 for t in targets)
 
 
 def convert(src: torch.Tensor, src_fmt: ExpertFormat, dst: torch.Tensor, dst_fmt: ExpertFormat,
@@ -172,11 +186,14 @@ class DiskStore(ExpertStore):
     name = "disk"
     drop_cache = True  # posix_fadvise(DONTNEED) after each read: the page cache keeps nothing
     waits_on_device = True
+    direct = True  # O_DIRECT for the reads whose offset, length and buffers are aligned
 
     def __init__(self, source: ExpertSource, dtype: torch.dtype, tiler: Tiler | None = None):
         super().__init__(source, dtype, tiler)
         self._fds = {p: os.open(p, os.O_RDONLY) for p in source.files}
+        self._direct_fds = self._open_direct() if self.drop_cache and self.direct else {}
         self.reads = 0
+        self.direct_reads = 0  # of `reads`, those made with O_DIRECT
         # Called with the running count after each read; tests use it to change the file at an
         # exact point of a request, so that they cannot pass by missing the window.
         self.read_hook: Callable[[int], None] | None = None
@@ -188,20 +205,43 @@ class DiskStore(ExpertStore):
         parts = self.source.run_parts(layer, first, n)
         return len(parts) if parts is not None else 1
 
+    def _open_direct(self) -> dict[Path, int]:
+        """A second descriptor per file, opened with O_DIRECT, where the file system allows it."""
+        fds = {}
+        for path, fd in self._fds.items():
+            try:
+                direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except (AttributeError, OSError):  # no O_DIRECT here, or not on this file system (tmpfs)
+                continue
+            a, b = os.fstat(direct), os.fstat(fd)
+            if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # the name was replaced between the opens
+                os.close(direct)
+                continue
+            fds[path] = direct
+        return fds
+
     def _read(self, seg: Segment, targets: list[memoryview]) -> None:
         fd = self._fds[seg.file]
         want = sum(t.nbytes for t in targets)
+        direct = self._direct_fds.get(seg.file)
+        if direct is not None and not aligned(seg.offset, targets):
+            direct = None
         try:
-            got = os.preadv(fd, targets, seg.offset)
+            got = os.preadv(fd if direct is None else direct, targets, seg.offset)
         except OSError as e:
-            raise CopyError(f"{seg.file}: cannot read {want} bytes at byte {seg.offset}: {e.strerror}") from None
+            if direct is None or e.errno != errno.EINVAL:
+                raise CopyError(f"{seg.file}: cannot read {want} bytes at byte {seg.offset}: {e.strerror}") from None
+            # The device asks for a coarser alignment than DIRECT_ALIGN: buffered reads from now on.
+            os.close(self._direct_fds.pop(seg.file))
+            return self._read(seg, targets)
         self.reads += 1
+        self.direct_reads += direct is not None
         if self.read_hook is not None:
             self.read_hook(self.reads)
         if got != want:
             self._check(seg.file)  # a file cut short in place is a change of version
             raise CopyError(f"{seg.file}: short read at byte {seg.offset}: {got} of {want} bytes")
-        if self.drop_cache and hasattr(os, "posix_fadvise"):
+        if direct is None and self.drop_cache and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, seg.offset, seg.nbytes, os.POSIX_FADV_DONTNEED)
 
     def _check(self, path: Path) -> None:
@@ -243,9 +283,10 @@ class DiskStore(ExpertStore):
             tile_in_place(dst, fmt, self.tiler)
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        for fd in (*self._fds.values(), *self._direct_fds.values()):
             os.close(fd)
         self._fds.clear()
+        self._direct_fds.clear()
 
 
 class MmapStore(DiskStore):
