@@ -238,6 +238,10 @@ def test_pack_writes_each_expert_as_one_range_with_the_same_results(tmp_path, ca
     # the same formats, now one range per expert: a run of four missing experts is one read
     assert packed.experts.formats == expertcache.load(src, cache=CacheConfig(mode="cache", experts=8,
                                                                              store="disk")).experts.formats
+    # every tensor on a 4 KiB page (the disk store reads whole pages of experts with O_DIRECT)
+    from expertcache.checkpoint.gguf_io import GGUFCheckpoint
+
+    assert all(info.offset % 4096 == 0 for info in GGUFCheckpoint(out).tensors.values())
     fresh = expertcache.load(out, cache=CacheConfig(mode="cache", experts=8, store="disk"))
     store, before = fresh.experts.store, fresh.experts.store.reads
     list(fresh.experts.acquire(1, [0, 1, 2, 3]))

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ExpertCacheError
+from ..memory import PAGE
 from .safetensors_io import DTYPE_CODES
 
 
@@ -38,7 +39,7 @@ class PlannedTensor:
 # The data starts on a boundary of this many bytes, and every tensor whose size is a multiple of
 # it comes first: such a tensor (the experts, in any model large enough to need a disk store)
 # starts on a boundary too, so the disk store can read it with O_DIRECT (store.py).
-DATA_ALIGN = 4096
+DATA_ALIGN = PAGE
 
 
 def write_safetensors(path: Path, tensors: list[PlannedTensor], on_bytes: Callable[[int], None] | None = None) -> None:

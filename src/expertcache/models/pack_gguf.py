@@ -19,6 +19,7 @@ from tqdm import tqdm
 from ..checkpoint.gguf_io import GGUFCheckpoint
 from ..checkpoint.writer import atomic_gguf, check_output_file
 from ..errors import ExpertCacheError
+from ..tiers.store import DIRECT_ALIGN
 from .gguf_loader import GGUF_EXPERT_NAMES, PACKED, PACKED_FORMAT_KEY, GGUFExperts, config_from_gguf
 from . import for_gguf
 from .synth_gguf import MARKER_KEY, _is_ours
@@ -36,11 +37,15 @@ def pack_gguf(src: str | Path, out: str | Path, force: bool = False, progress: b
     arch = gg.metadata["general.architecture"]
     with atomic_gguf(out, arch) as w:
         for key, value in gg.metadata.items():
-            if key in ("general.architecture", MARKER_KEY) or key.startswith("split.") or key.startswith("expertcache."):
+            if (key in ("general.architecture", "general.alignment", MARKER_KEY) or key.startswith("split.")
+                    or key.startswith("expertcache.")):
                 continue
             types = gg.metadata_types[key]
             w.add_key_value(key, value, types[0], types[1] if len(types) > 1 else None)
         w.add_string(MARKER_KEY, "expertcache pack")
+        # Each tensor on a 4 KiB page: where an expert's bytes are a whole number of pages, as at
+        # real sizes, the disk store reads it with O_DIRECT (tiers/store.py).
+        w.add_custom_alignment(DIRECT_ALIGN)
         expert_names = {f"blk.{i}.{GGUF_EXPERT_NAMES[p]}" for i in cfg.moe_layers for p in GGUF_EXPERT_NAMES}
         plan = []
         for name, info in gg.tensors.items():

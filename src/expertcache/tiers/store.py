@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from ..checkpoint.safetensors_io import Segment
 from ..errors import CopyError, ModelChangedError
-from ..memory import host_zeros
+from ..memory import PAGE, host_zeros
 from .layout import ExpertFormat, Tiler, slot_nbytes
 
 FileVersion = tuple[int, int, int, int, int]
@@ -73,7 +73,7 @@ class ExpertSource(Protocol):
         """Expert (layer, e)'s bytes [nbytes] uint8, in the file's format."""
 
 
-DIRECT_ALIGN = 4096  # O_DIRECT's offsets, lengths and buffer addresses: a multiple of any device's block
+DIRECT_ALIGN = PAGE  # O_DIRECT's offsets, lengths and buffer addresses: a multiple of any device's block
 
 
 def aligned(offset: int, targets: list[memoryview]) -> bool:
