@@ -279,10 +279,11 @@ class CacheConfig:
     def prefetch_active(self, device_type: str) -> bool:
         """Whether an op's copies for the next op's prediction are made early: only in `cache` mode,
         at a width > 0; `auto` only on a GPU, whose copy engine does not take compute's cores. On a
-        CPU every store's copy ends in a copy through the cores that compute (RAM to RAM; a disk
-        read through the page cache), and the mispredicted experts add reads: on 2 cores it paid
-        only where decode left one free (docs/benchmarks.md), and by default decode uses every
-        core, so `auto` leaves it off there and `on` turns it on."""
+        CPU a store's copy mostly goes through the cores that compute (RAM to RAM; a disk read
+        through the page cache, where it is not made with O_DIRECT), and the mispredicted experts
+        add reads: on 2 cores the router predictor's prefetch paid only where decode left a core
+        free, even with direct reads (docs/benchmarks.md), and by default decode uses every core,
+        so `auto` leaves it off there and `on` turns it on."""
         if self.mode != "cache" or self.prefetch == "off" or self.prefetch_width == 0:
             return False
         return self.prefetch == "on" or device_type == "cuda"
