@@ -289,6 +289,11 @@ def test_disk_store_reads_page_aligned_experts_with_o_direct(checkpoints, refere
     assert torch.equal(model.logits(IDS), reference_logits)
     store = model.experts.store
     assert store.reads > 0 and store.direct_reads == store.reads
+    # In another compute dtype the reads land in a bounce buffer, on a page too, then convert.
+    conv = expertcache.load(path, dtype="bfloat16", cache=CacheConfig(mode="cache", experts=TOTAL // 4, store="disk"))
+    assert torch.equal(conv.logits(IDS), expertcache.load(path, dtype="bfloat16").logits(IDS))
+    assert conv.experts.store.formats != conv.experts.store.src_formats
+    assert conv.experts.store.reads > 0 and conv.experts.store.direct_reads == conv.experts.store.reads
     # The per-expert checkpoint of transformers' writer is not aligned: every read is buffered.
     plain = expertcache.load(checkpoints["plain"], cache=CacheConfig(mode="cache", experts=TOTAL // 4, store="disk"))
     assert torch.equal(plain.logits(IDS), reference_logits)

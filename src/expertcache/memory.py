@@ -55,6 +55,14 @@ def host_zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: t
     return raw[skip: skip + nbytes].zero_().view(dtype).view(tuple(shape))
 
 
+def page_aligned_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised host buffer [nbytes] uint8 starting on a 4 KiB page (a bounce buffer that
+    O_DIRECT reads can land in)."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % PAGE
+    return raw[skip: skip + nbytes]
+
+
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """`t` copied into `host_zeros` memory (weights that every decode step reads)."""
     out = host_zeros(t.shape, t.dtype, t.device)

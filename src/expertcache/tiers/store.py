@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from ..checkpoint.safetensors_io import Segment
 from ..errors import CopyError, ModelChangedError
-from ..memory import PAGE, host_zeros
+from ..memory import PAGE, host_zeros, page_aligned_empty
 from .layout import ExpertFormat, Tiler, slot_nbytes
 
 FileVersion = tuple[int, int, int, int, int]
@@ -259,8 +259,8 @@ class DiskStore(ExpertStore):
         # Read into the slots themselves when they are host memory holding the file's bytes (as
         # they are, or then tiled in place); otherwise into a bounce buffer that is then converted
         # and copied.
-        direct = src_fmt == fmt.as_rows and dst.device.type == "cpu" and dst.is_contiguous()
-        host = dst if direct else torch.empty(n, size, dtype=torch.uint8)
+        in_place = src_fmt == fmt.as_rows and dst.device.type == "cpu" and dst.is_contiguous()
+        host = dst if in_place else page_aligned_empty(n * size).view(n, size)
         rows = [memoryview(host[i, :size].numpy()) for i in range(n)]
         parts = self.source.run_parts(layer, first, n)
         files = set()
@@ -277,7 +277,7 @@ class DiskStore(ExpertStore):
                     pos += seg.nbytes
         for path in files:
             self._check(path)
-        if not direct:
+        if not in_place:
             convert(host, src_fmt, dst, fmt, non_blocking, self.tiler)
         elif fmt != src_fmt:
             tile_in_place(dst, fmt, self.tiler)
