@@ -35,9 +35,7 @@ def host_zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: t
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
     if not _CAN_ADVISE or nbytes < HUGE_PAGE:
         # On a page boundary all the same, as the disk store's O_DIRECT reads into slots need.
-        raw = torch.zeros(nbytes + PAGE, dtype=torch.uint8)
-        skip = -raw.data_ptr() % PAGE
-        return raw[skip: skip + nbytes].view(dtype).view(tuple(shape))
+        return page_aligned_empty(nbytes).zero_().view(dtype).view(tuple(shape))
     # One extra huge page, so that the tensor can start on a 2 MiB boundary: the kernel backs
     # only whole, aligned 2 MiB ranges with huge pages. Anonymous mappings are zero-filled.
     try:
