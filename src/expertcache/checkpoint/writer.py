@@ -36,9 +36,10 @@ class PlannedTensor:
         return n
 
 
-# The data starts on a boundary of this many bytes, and every tensor whose size is a multiple of
-# it comes first: such a tensor (the experts, in any model large enough to need a disk store)
-# starts on a boundary too, so the disk store can read it with O_DIRECT (store.py).
+# Where the files written here put their tensors: a safetensors file's data starts on a boundary
+# of this many bytes, and every tensor whose size is a multiple of it comes first, so that such a
+# tensor (the experts, in any model large enough to need a disk store) starts on one too; a
+# packed GGUF aligns every tensor to it. The disk store reads those with O_DIRECT (store.py).
 DATA_ALIGN = PAGE
 
 

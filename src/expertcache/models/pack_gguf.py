@@ -17,9 +17,8 @@ from gguf.constants import GGMLQuantizationType as Q
 from tqdm import tqdm
 
 from ..checkpoint.gguf_io import GGUFCheckpoint
-from ..checkpoint.writer import atomic_gguf, check_output_file
+from ..checkpoint.writer import DATA_ALIGN, atomic_gguf, check_output_file
 from ..errors import ExpertCacheError
-from ..tiers.store import DIRECT_ALIGN
 from .gguf_loader import GGUF_EXPERT_NAMES, PACKED, PACKED_FORMAT_KEY, GGUFExperts, config_from_gguf
 from . import for_gguf
 from .synth_gguf import MARKER_KEY, _is_ours
@@ -45,7 +44,7 @@ def pack_gguf(src: str | Path, out: str | Path, force: bool = False, progress: b
         w.add_string(MARKER_KEY, "expertcache pack")
         # Each tensor on a 4 KiB page: where an expert's bytes are a whole number of pages, as at
         # real sizes, the disk store reads it with O_DIRECT (tiers/store.py).
-        w.add_custom_alignment(DIRECT_ALIGN)
+        w.add_custom_alignment(DATA_ALIGN)
         expert_names = {f"blk.{i}.{GGUF_EXPERT_NAMES[p]}" for i in cfg.moe_layers for p in GGUF_EXPERT_NAMES}
         plan = []
         for name, info in gg.tensors.items():
