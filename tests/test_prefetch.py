@@ -91,9 +91,11 @@ def _slots_hold_what_they_claim(cache) -> int:
 @pytest.mark.parametrize("name", ["bundled", "qwen2"])
 def test_runtime_counters_equal_the_simulator(models, name):
     path = models[name]
-    for policy, capacity, width in [("lrfu", 5, 1.0), ("lru", 9, 1.5), ("s3fifo", 16, 2.0), ("arc", 12, 1.0),
-                                    ("lfu", 24, 0.5), ("lru", 3, 1.0)]:
-        model = _load(path, experts=capacity, policy=policy, prefetch="on", prefetch_width=width)
+    for policy, capacity, width, min_prob in [("lrfu", 5, 1.0, 0), ("lru", 9, 1.5, 0), ("s3fifo", 16, 2.0, 0),
+                                              ("arc", 12, 1.0, 0), ("lfu", 24, 0.5, 0), ("lru", 3, 1.0, 0),
+                                              ("lrfu", 9, 2.0, 0.1), ("lru", 16, 1.5, 0.2)]:
+        model = _load(path, experts=capacity, policy=policy, prefetch="on", prefetch_width=width,
+                      prefetch_min_prob=min_prob)
         rec = TraceRecorder.for_model(model, predict=True)
         rec.generate(model, PROMPT, max_tokens=6, ubatch=4, ignore_eos=True)
         with rec.attached(model):
@@ -101,7 +103,10 @@ def test_runtime_counters_equal_the_simulator(models, name):
         rec.generate(model, IDS[3:9].tolist(), max_tokens=4, ignore_eos=True)
         t = rec.trace()
         total = model.telemetry()["total"]
-        sim = simulate(t.ops(), model.experts.capacity, policy, t.header.expert_bytes, t.predictions(width))
+        sim = simulate(t.ops(), model.experts.capacity, policy, t.header.expert_bytes,
+                       t.predictions(width, min_prob))
+        if min_prob:  # the probability drops some of the width's guesses, and the replay drops the same
+            assert t.predictions(width, min_prob) != t.predictions(width)
         got = (total["ops_seen"], total["resident_hits"], total["demand_misses"], total["evictions"],
                total["copied_bytes"], total["copy_ranges"], total["prefetch_issued"], total["prefetch_used"],
                total["prefetch_wasted"])
@@ -142,10 +147,11 @@ def test_prefetch_lowers_demand_misses_on_the_bundled_model(models):
 @pytest.mark.parametrize("name", ["bundled", "qwen2"])
 @pytest.mark.parametrize("store", ["ram", "mmap", "disk"])
 def test_logits_bitwise_equal_with_prefetch(models, reference, name, store):
-    for policy, size, width in [("lrfu", 1, 1.0), ("lru", 6, 2.0), ("s3fifo", 12, 1.0), ("lrfu", 0.5, 1.5),
-                                ("arc", 1.0, 1.0)]:
+    for policy, size, width, min_prob in [("lrfu", 1, 1.0, 0), ("lru", 6, 2.0, 0), ("s3fifo", 12, 1.0, 0),
+                                          ("lrfu", 0.5, 1.5, 0), ("arc", 1.0, 1.0, 0), ("lrfu", 10, 2.0, 0.1)]:
         sized = {"fraction": size} if isinstance(size, float) else {"experts": size}
-        model = _load(models[name], store=store, policy=policy, prefetch="on", prefetch_width=width, **sized)
+        model = _load(models[name], store=store, policy=policy, prefetch="on", prefetch_width=width,
+                      prefetch_min_prob=min_prob, **sized)
         _check(model, reference[name])
         if size != 1.0 and size != 1:
             assert model.telemetry()["total"]["prefetch_issued"] > 0, (store, policy, size)
@@ -389,16 +395,22 @@ def test_prefetch_config_and_where_auto_turns_it_on():
         CacheConfig(prefetch="yes")
     with pytest.raises(ExpertCacheError, match="prefetch width -1"):
         CacheConfig(prefetch_width=-1)
+    for bad in (1, 1.5, -0.1, "0.5", True):
+        with pytest.raises(ExpertCacheError, match=f"min-prob must be a probability in \\[0, 1\\), got {bad!r}"):
+            CacheConfig(prefetch_min_prob=bad)
 
 
 def test_prefetch_flags():
     p = Parser(prog="x")
     add_cache_flags(p)
-    c = cache_config(p.parse_args(["--cache-experts", "4", "--prefetch", "on", "--prefetch-width", "1.5"]))
-    assert (c.prefetch, c.prefetch_width) == ("on", 1.5)
+    c = cache_config(p.parse_args(["--cache-experts", "4", "--prefetch", "on", "--prefetch-width", "1.5",
+                                   "--prefetch-min-prob", "0.55"]))
+    assert (c.prefetch, c.prefetch_width, c.prefetch_min_prob) == ("on", 1.5, 0.55)
+    assert cache_config(p.parse_args([])).prefetch_min_prob == 0
     assert cache_config(p.parse_args([])).prefetch == "auto"
-    with pytest.raises(SystemExit):
-        p.parse_args(["--prefetch", "sometimes"])
+    for bad in (["--prefetch", "sometimes"], ["--prefetch-min-prob", "1"], ["--prefetch-min-prob", "x"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
 
 
 def test_telemetry_line_json_and_metrics(models):

@@ -84,18 +84,35 @@ def test_save_load_round_trip_and_format(ckpt, tmp_path):
     save_trace(trace, f)
     back = load_trace(f)
     assert back.header == trace.header and back.header.meta == {"note": "test"}
-    for k in ("layer", "tokens", "phase", "ids", "pred", "predicted"):
+    for k in ("layer", "tokens", "phase", "ids", "pred", "predicted", "pred_prob"):
         assert np.array_equal(getattr(back, k), getattr(trace, k)), k
     assert back.ops() == trace.ops()
     assert all(experts == sorted(set(experts)) for _, experts in back.ops())
     assert back.predictions(1.5) == trace.predictions(1.5)
+    # the router predictor ranks by its softmax: each token's probabilities fall along its ranks
+    prob = back.pred_prob.astype(np.float32)
+    assert ((prob >= 0) & (prob <= 1)).all() and (np.diff(prob, axis=1) <= 0).all()
+    # --prefetch-min-prob: a token's guess counts only at or above it, hand-checked op by op
+    cut = float(np.median(prob))
+    ends = np.cumsum(back.tokens)
+    expected = []
+    for i in range(back.num_ops):
+        rows = range(ends[i] - back.tokens[i], ends[i])
+        seen = []
+        for r in range(3):  # width 1.5 of top-2
+            for e in sorted({int(back.pred[t, r]) for t in rows if prob[t, r] >= cut} - set(seen)):
+                seen.append(e)
+        expected.append(seen or None)
+    assert back.predictions(1.5, cut) == expected
+    assert back.predictions(1.5, cut) != back.predictions(1.5)
     # the documented on-disk layout (docs/traces.md)
     with np.load(f) as z:
-        assert sorted(z.files) == ["header", "ids", "layer", "phase", "pred", "predicted", "tokens"]
+        assert sorted(z.files) == ["header", "ids", "layer", "phase", "pred", "pred_prob", "predicted", "tokens"]
         header = json.loads(str(z["header"][()]))
         assert z["ids"].dtype == np.uint8 and z["layer"].dtype == np.int32
         assert z["pred"].dtype == np.uint8 and z["predicted"].dtype == np.uint8
-    assert header == {"format": "expertcache-trace", "version": 2, "num_experts": 8, "num_layers": 3,
+        assert z["pred_prob"].dtype == np.float16
+    assert header == {"format": "expertcache-trace", "version": 3, "num_experts": 8, "num_layers": 3,
                       "moe_layers": [0, 1, 2], "top_k": 2, "expert_bytes": 3 * 64 * 32 * 4,
                       "model": str(path), "meta": {"note": "test"}, "pred_width": 4, "predictor": "router"}
     # without predictions: the same entries, `pred` 0 wide and no op predicted
@@ -131,6 +148,13 @@ def test_a_hand_written_trace_loads(tmp_path):
     assert t.ops() == [(0, [0, 1]), (1, [0, 1, 2, 3])] and t.header.predictor == "router"
     # width 1.0 = top-2: experts 1 and 2 of op 0's token; 1.5 = 3 (all stored); op 1 has none
     assert t.predictions(1.0) == [[1, 2], None] and t.predictions(1.5) == t.predictions(5.0) == [[1, 2, 0], None]
+    with pytest.raises(ExpertCacheError, match="needs a trace with the predictions' probabilities"):
+        t.predictions(1.0, 0.5)
+    # version 3: each guess's probability; --prefetch-min-prob keeps those at or above it
+    prob = np.array([[0.9, 0.5, 0.25], [0.8, 0.1, 0.1], [0, 0, 0]], np.float16)
+    t = load_trace(_write2(tmp_path / "ok3.npz", {"version": 3}, pred_prob=prob))
+    assert t.predictions(1.5, 0.5) == [[1, 2], None] and t.predictions(1.5, 0.6) == [[1], None]
+    assert t.predictions(1.5, 0.95) == [None, None] and t.predictions(1.5) == [[1, 2, 0], None]
     assert t.predictions(0) == [None, None]
 
 
@@ -163,7 +187,12 @@ def test_prediction_quality_by_hand():
     (lambda d: (d / "text.npz").write_text("hello") and d / "text.npz", "not an expertcache trace"),
     (lambda d: _write(d / "a.npz", ids=None), "missing ids"),
     (lambda d: _write(d / "b.npz", {"format": "other"}), "header format"),
-    (lambda d: _write(d / "c.npz", {"version": 3}), "version 3 is not supported"),
+    (lambda d: _write(d / "c.npz", {"version": 4}), "version 4 is not supported"),
+    (lambda d: _write2(d / "c8.npz", {"version": 3}, pred_prob=np.full((3, 2), 0.5, np.float16)),
+     "'pred_prob' has shape"),
+    (lambda d: _write2(d / "c9.npz", {"version": 3}, pred_prob=np.full((3, 3), 0.5)), "must hold float16"),
+    (lambda d: _write2(d / "c10.npz", {"version": 3}, pred_prob=np.full((3, 3), 1.5, np.float16)),
+     "probabilities in"),
     (lambda d: _write(d / "c2.npz", {"version": 2}), "version 2: missing pred, predicted"),
     (lambda d: _write2(d / "c3.npz", pred=np.array([[1, 2], [3, 1], [0, 0]])), "array 'pred' has shape"),
     (lambda d: _write2(d / "c4.npz", pred=np.array([[1, 9, 0], [3, 1, 2], [0, 0, 0]])), "predicted expert id 9"),

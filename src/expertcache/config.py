@@ -228,7 +228,8 @@ class CacheConfig:
     `prefetch` (`cache` mode only): load the experts predicted for the next MoE op while the
     current one computes; `auto` turns it on where the copies do not compete with compute (a
     GPU's copy engine), see `prefetch_active`. `prefetch_width`: experts predicted per token, as
-    a multiple of top-k (0 predicts nothing). `predictor`: a file of fitted maps for this model
+    a multiple of top-k (0 predicts nothing); `prefetch_min_prob`: of those, only the experts the
+    predictor gives at least this probability. `predictor`: a file of fitted maps for this model
     (`expertcache trace fit-predictor`) that predicts in place of the next layer's router.
     """
 
@@ -243,6 +244,7 @@ class CacheConfig:
     prefetch: str = "auto"
     prefetch_width: float = 1.0
     predictor: str | None = None
+    prefetch_min_prob: float = 0.0
 
     def __post_init__(self) -> None:
         given = [n for n in ("experts", "mem", "fraction") if getattr(self, n) is not None]
@@ -273,6 +275,9 @@ class CacheConfig:
         w = self.prefetch_width
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 64:
             raise ExpertCacheError(f"prefetch width {w!r} must be a number in [0, 64] (a multiple of top-k)")
+        from .models.predict import check_min_prob
+
+        check_min_prob(self.prefetch_min_prob)
         if self.predictor is not None and not isinstance(self.predictor, (str, os.PathLike)):
             raise ExpertCacheError(f"predictor {self.predictor!r} must be the path of a fitted predictor file")
 

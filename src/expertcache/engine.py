@@ -173,8 +173,9 @@ class Model:
                 self.net.forward_hook = None
             self.experts.predict = None
         if self.experts.prefetching:
-            predictions = NextOpPredictions(self.net, self.experts.config.prefetch_width, self.experts.prefetch,
-                                            self._maps_for(self.net))
+            config = self.experts.config
+            predictions = NextOpPredictions(self.net, config.prefetch_width, self.experts.prefetch,
+                                            self._maps_for(self.net), config.prefetch_min_prob)
             predictions.attach(residual=residual)
             self.experts.predict = predictions
 

@@ -110,6 +110,7 @@ def cache_config(args) -> CacheConfig:
                        fraction=args.cache_fraction, policy=args.cache_policy, store=args.store,
                        verify=args.cache_verify, trace_every=trace, prefetch=getattr(args, "prefetch", "auto"),
                        prefetch_width=getattr(args, "prefetch_width", 1.0),
+                       prefetch_min_prob=getattr(args, "prefetch_min_prob", 0.0),
                        predictor=getattr(args, "predictor", None))
 
 
@@ -125,6 +126,21 @@ def prefetch_width(text: str) -> float:
     return v
 
 
+def prefetch_min_prob(text: str) -> float:
+    """`--prefetch-min-prob P`: a predicted expert counts only if the predictor gives it at least P."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}: expected a probability such as 0.5") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be a probability in [0, 1)")
+    return v
+
+
 def add_prefetch_width_flag(p) -> None:
     p.add_argument("--prefetch-width", type=prefetch_width, default=1.0, metavar="W",
                    help="experts predicted per token as a multiple of top-k: 1.0 (default) = k, 1.5 = ceil(1.5 k)")
+    p.add_argument("--prefetch-min-prob", type=prefetch_min_prob, default=0.0, metavar="P",
+                   help="of those, predict only the experts the predictor gives a probability of at least P "
+                        "(default: 0, all; meant for a predictor fitted with --objective used, whose "
+                        "probabilities are calibrated)"),

@@ -32,7 +32,8 @@ def run_one(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     cache = CacheConfig(mode=spec["mode"], fraction=spec.get("fraction"), store=spec["store"],
                         policy=spec.get("policy") or CacheConfig().policy, prefetch=spec.get("prefetch", "auto"),
-                        prefetch_width=spec.get("prefetch_width", 1.0))
+                        prefetch_width=spec.get("prefetch_width", 1.0),
+                        prefetch_min_prob=spec.get("prefetch_min_prob", 0.0))
     t0 = time.perf_counter()
     device = spec.get("device", "cpu")
     model = expertcache.load(spec["model"], device=device, dtype=spec.get("dtype"), cache=cache,
@@ -50,7 +51,8 @@ def run_one(spec: dict) -> dict:
         # trace's recorded predictions instead (none recorded: no prefetch).
         model.net.residual_hook = model.net.forward_hook = model.experts.predict = None
         if model.experts.prefetching and trace.has_predictions:
-            predictions = PredictionReplay(trace, model.cfg, replay, cache.prefetch_width, model.experts.prefetch)
+            predictions = PredictionReplay(trace, model.cfg, replay, cache.prefetch_width, model.experts.prefetch,
+                                           cache.prefetch_min_prob)
             model.net.forward_hook = predictions.begin
             model.experts.predict = predictions
     gen = torch.Generator().manual_seed(0)
@@ -110,6 +112,7 @@ def run_one(spec: dict) -> dict:
     tel = model.telemetry()
     return {"mode": spec["mode"], "store": spec["store"], "fraction": spec.get("fraction"), "device": str(model.net.device),
             "prefetch": model.experts.predict is not None, "prefetch_width": cache.prefetch_width,
+            "prefetch_min_prob": cache.prefetch_min_prob,
             "capacity": tel["capacity"], "total_experts": tel["total_experts"], "expert_bytes": tel["expert_bytes"],
             "policy": tel["policy"], "load_seconds": load_s, "prefill": prefill, "decode": dec,
             "expert_bytes_total": sum(model.experts.expert_bytes[i] for i in model.cfg.moe_layers) * model.cfg.num_experts,
@@ -161,19 +164,24 @@ class RoutingReplay:
 class PredictionReplay:
     """The trace's recorded predictions, for the ops `RoutingReplay` routes: once the op of MoE
     layer l is planned, the next MoE layer's prediction for the rows it is about to take (the
-    union of their `width` predictions, `Trace.predictions`' rule); at a forward's start, the
-    first MoE layer's. Rows recorded without a prediction contribute none."""
+    union of their `width` predictions at `min_prob`, `Trace.predictions`' rule); at a forward's
+    start, the first MoE layer's. Rows recorded without a prediction contribute none."""
 
-    def __init__(self, trace, cfg, replay: RoutingReplay, width: float, plan):
+    def __init__(self, trace, cfg, replay: RoutingReplay, width: float, plan, min_prob: float = 0.0):
         from ..models.predict import next_moe_layers, width_experts
 
         h = trace.header
         self.n = width_experts(width, h.top_k, h.pred_width)
+        if min_prob > 0 and trace.pred_prob is None:
+            trace.predictions(width, min_prob)  # the one-line error of a trace without probabilities
+        self.min_prob = min_prob
         starts = np.concatenate([[0], np.cumsum(trace.tokens)])
-        self.pred, self.has = {}, {}
+        self.pred, self.prob, self.has = {}, {}, {}
         for ours, theirs in zip(cfg.moe_layers, h.moe_layers):
             ops = np.flatnonzero(trace.layer == theirs)
             self.pred[ours] = np.concatenate([trace.pred[starts[i]: starts[i + 1], : self.n] for i in ops])
+            if min_prob > 0:
+                self.prob[ours] = np.concatenate([trace.pred_prob[starts[i]: starts[i + 1], : self.n] for i in ops])
             self.has[ours] = np.concatenate([np.full(trace.tokens[i], bool(trace.predicted[i])) for i in ops])
         self.replay, self.plan = replay, plan
         self.first, self.next = cfg.moe_layers[0], next_moe_layers(cfg.moe_layers)
@@ -186,6 +194,9 @@ class PredictionReplay:
         rows = rows[self.has[layer][rows]]
         if not self.n or not len(rows):
             return None
+        if self.min_prob > 0:
+            return op_prediction(self.pred[layer][rows].tolist(), self.n, self.prob[layer][rows].tolist(),
+                                 self.min_prob) or None
         return op_prediction(self.pred[layer][rows].tolist(), self.n)
 
     def begin(self, tokens) -> None:
@@ -204,7 +215,8 @@ def configurations(args) -> list[dict]:
     base = {"model": args.model, "threads": args.threads, "prefill": args.prefill, "decode": args.decode,
             "ubatch": args.ubatch, "dtype": args.dtype, "policy": args.cache_policy, "route_trace": args.route_trace,
             "kernels": args.kernels, "activations": args.activations, "prefill_stretch": args.prefill_stretch, "prefill_mem": args.prefill_mem,
-            "prefetch_width": args.prefetch_width, "device": args.device}
+            "prefetch_width": args.prefetch_width, "prefetch_min_prob": args.prefetch_min_prob,
+            "device": args.device}
     prefetch = ["off", "on"] if args.prefetch == "both" else [args.prefetch]
     specs = []
     for store in args.stores.split(","):

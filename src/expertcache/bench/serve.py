@@ -296,7 +296,8 @@ def serve_argv(args, mode: str, port: int) -> list[str]:
             "--ubatch", str(args.ubatch), "--device", args.device, "--kernels", args.kernels,
             "--activations", args.activations, "--prefill-stretch", str(args.prefill_stretch)]
     if mode == "cache":
-        argv += ["--prefetch", args.prefetch, "--prefetch-width", str(args.prefetch_width)]
+        argv += ["--prefetch", args.prefetch, "--prefetch-width", str(args.prefetch_width),
+                 "--prefetch-min-prob", str(args.prefetch_min_prob)]
         for flag, v in (("--cache-experts", args.cache_experts), ("--cache-mem", args.cache_mem),
                         ("--cache-fraction", args.cache_fraction)):
             if v is not None:

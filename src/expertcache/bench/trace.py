@@ -4,7 +4,8 @@ A trace holds, for each MoE op in execution order, the layer, the number of toke
 (prefill or decode) and each token's expert ids in router-rank order, plus a header describing the
 model (expert count, layer count, top-k, bytes per expert). Since version 2 it may also hold, for
 each op, the experts a predictor ranked for each of its tokens before its router ran
-(`models/predict.py`). On disk it is one compressed `.npz` (see docs/traces.md, written so that
+(`models/predict.py`); since version 3 also the probability the predictor gave each of those
+experts (rounded to float16, as the runtime compares it with `--prefetch-min-prob`). On disk it is one compressed `.npz` (see docs/traces.md, written so that
 traces recorded elsewhere can be converted to it). Recording only reads the routing and the
 hidden state: the outputs of a run are the same with and without it.
 
@@ -27,11 +28,12 @@ import numpy as np
 from ..errors import ExpertCacheError
 
 FORMAT = "expertcache-trace"
-VERSION = 2
-READS = (1, 2)  # versions read; version 1 has no predictions
+VERSION = 3
+READS = (1, 2, 3)  # versions read; version 1 has no predictions, version 2 no probabilities
 PHASES = ("prefill", "decode")  # the codes 0 and 1 of the `phase` array
 ARRAYS = ("layer", "tokens", "phase", "ids")
 PRED_ARRAYS = ("pred", "predicted")  # version 2
+PROB_ARRAY = "pred_prob"  # version 3, optional
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,7 @@ class Trace:
     ids: np.ndarray  # [R, K] expert ids of each token, router-rank order; op i owns the next tokens[i] rows
     pred: np.ndarray | None = None  # [R, P] predicted expert ids of each token, best first (P = pred_width)
     predicted: np.ndarray | None = None  # [N] 1 where op i has a prediction (its rows of `pred` hold it)
+    pred_prob: np.ndarray | None = None  # [R, P] float16: the predictor's probability of each of `pred`
 
     @property
     def num_ops(self) -> int:
@@ -75,19 +78,25 @@ class Trace:
     def has_predictions(self) -> bool:
         return self.predicted is not None and bool(self.predicted.any())
 
-    def predictions(self, width: float) -> list[list[int] | None]:
-        """Each op's prediction at `width` (a multiple of top-k, as `--prefetch-width`): the union
-        of its tokens' ceil(width x K) best predicted experts (at most `pred_width`), by best rank
-        then id; None for ops without one (and for every op at width 0)."""
+    def predictions(self, width: float, min_prob: float = 0.0) -> list[list[int] | None]:
+        """Each op's prediction at `width` (a multiple of top-k, as `--prefetch-width`) and
+        `min_prob` (`--prefetch-min-prob`): the union of its tokens' ceil(width x K) best predicted
+        experts (at most `pred_width`) whose probability is at least `min_prob`, by best rank then
+        id; None for ops without one (and for every op at width 0)."""
         from ..models.predict import op_prediction, width_experts
 
         n = width_experts(width, self.header.top_k, self.header.pred_width)
         out: list[list[int] | None] = [None] * self.num_ops
         if n == 0 or not self.has_predictions:
             return out
+        if min_prob > 0 and self.pred_prob is None:
+            raise ExpertCacheError("--prefetch-min-prob needs a trace with the predictions' probabilities "
+                                   "(format version 3, recorded by this expertcache's `trace record`)")
         ends = np.cumsum(self.tokens)
         for i in np.flatnonzero(self.predicted):
-            out[i] = op_prediction(self.pred[ends[i] - self.tokens[i]: ends[i], :n].tolist(), n)
+            rows = slice(ends[i] - self.tokens[i], ends[i])
+            probs = self.pred_prob[rows, :n].tolist() if min_prob > 0 else None
+            out[i] = op_prediction(self.pred[rows, :n].tolist(), n, probs, min_prob) or None
         return out
 
     def decode_tokens(self) -> int:
@@ -128,7 +137,7 @@ class TraceRecorder:
         self.maps = maps  # fitted predictor maps (`models.linear_predictor`); None: the routers predict
         self._layers: list[int] = []
         self._ids: list = []  # torch tensors [T, K], kept on their device until `trace()`
-        self._pred: list = []  # torch tensors [T, P] or None
+        self._pred: list = []  # (ids [T, P], probabilities [T, P]) torch tensors, or None
         self._phase: list[int] = []
         self.predictor = None  # a `models.predict.RouterPredictor` while attached, if predicting
 
@@ -151,7 +160,7 @@ class TraceRecorder:
         # synchronisation here (a GPU run is not slowed op by op).
         self._layers.append(layer)
         self._ids.append(routing.ids.detach().clone())
-        self._pred.append(self.predictor.take(layer) if self.predictor is not None else None)
+        self._pred.append(self.predictor.take_scored(layer) if self.predictor is not None else None)
         self._phase.append(0)
 
     def __len__(self) -> int:
@@ -215,16 +224,19 @@ class TraceRecorder:
         ids = np.concatenate(rows) if rows else np.zeros((0, k), dtype=np.int64)
         dtype = _ids_dtype(self.header.num_experts)
         pred = np.zeros((len(ids), P), dtype=dtype)
+        prob = np.zeros((len(ids), P), dtype=np.float16)
         predicted = np.zeros(len(rows), dtype=np.uint8)
         at = 0
         for i, (r, p) in enumerate(zip(rows, self._pred)):
             if p is not None:
-                pred[at: at + len(r)] = p.to("cpu").numpy().reshape(len(r), P)
+                pred[at: at + len(r)] = p[0].to("cpu").numpy().reshape(len(r), P)
+                prob[at: at + len(r)] = p[1].to("cpu").numpy().reshape(len(r), P)
                 predicted[i] = 1
             at += len(r)
         return Trace(self.header, np.asarray(self._layers, dtype=np.int32),
                      np.asarray([len(r) for r in rows], dtype=np.int32),
-                     np.asarray(self._phase, dtype=np.uint8), ids.astype(dtype), pred, predicted)
+                     np.asarray(self._phase, dtype=np.uint8), ids.astype(dtype), pred, predicted,
+                     prob if P else None)
 
 
 def _ids_dtype(num_experts: int) -> type:
@@ -315,7 +327,8 @@ def save_trace(trace: Trace, path: str | Path) -> None:
         with open(path, "wb") as f:
             np.savez_compressed(f, header=np.array(header), layer=trace.layer.astype(np.int32),
                                 tokens=trace.tokens.astype(np.int32), phase=trace.phase.astype(np.uint8),
-                                ids=trace.ids, pred=_pred(trace), predicted=_predicted(trace))
+                                ids=trace.ids, pred=_pred(trace), predicted=_predicted(trace),
+                                **({PROB_ARRAY: trace.pred_prob} if trace.pred_prob is not None else {}))
     except OSError as e:
         raise ExpertCacheError(f"cannot write trace {str(path)!r}: {e.strerror}") from None
 
@@ -330,6 +343,7 @@ def load_trace(path: str | Path) -> Trace:
                 raise ExpertCacheError(f"{name}: not an expertcache trace: missing {', '.join(missing)}")
             raw = z["header"]
             arrays = {k: z[k] for k in ARRAYS + PRED_ARRAYS if k in z.files}
+            prob = z[PROB_ARRAY] if version_of(raw) >= 3 and PROB_ARRAY in z.files else None
     except FileNotFoundError:
         raise ExpertCacheError(f"cannot read trace {name!r}: no such file") from None
     except IsADirectoryError:
@@ -346,8 +360,10 @@ def load_trace(path: str | Path) -> Trace:
     for k, a in arrays.items():
         if not np.issubdtype(a.dtype, np.integer):
             raise ExpertCacheError(f"{name}: array {k!r} must hold integers, got {a.dtype}")
+    if prob is not None and prob.dtype != np.float16:
+        raise ExpertCacheError(f"{name}: array {PROB_ARRAY!r} must hold float16, got {prob.dtype}")
     trace = Trace(header, arrays["layer"], arrays["tokens"], arrays["phase"], arrays["ids"],
-                  arrays.get("pred"), arrays.get("predicted"))
+                  arrays.get("pred"), arrays.get("predicted"), prob)
     _check(trace, name)
     return trace
 
@@ -360,6 +376,15 @@ def _pred(trace: Trace) -> np.ndarray:
 
 def _predicted(trace: Trace) -> np.ndarray:
     return (trace.predicted if trace.predicted is not None else np.zeros(trace.num_ops)).astype(np.uint8)
+
+
+def version_of(raw: np.ndarray) -> int:
+    """The version a trace header claims (0 where it cannot be read; `_parse_header` says why)."""
+    try:
+        v = json.loads(str(raw[()])).get("version")
+    except (json.JSONDecodeError, TypeError, IndexError, ValueError, AttributeError):
+        return 0
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
 def _parse_header(raw: np.ndarray, name: str) -> tuple[TraceHeader, int]:
@@ -442,6 +467,13 @@ def _check(trace: Trace, name: str) -> None:
     if p.size and (np.sort(p, axis=1)[:, 1:] == np.sort(p, axis=1)[:, :-1]).any():
         raise ExpertCacheError(f"{name}: a token's predicted experts repeat an id (each row of 'pred' "
                                f"ranks distinct experts)")
+    if trace.pred_prob is not None:
+        if trace.pred_prob.shape != trace.pred.shape:
+            raise ExpertCacheError(f"{name}: array {PROB_ARRAY!r} has shape {trace.pred_prob.shape}, expected "
+                                   f"{trace.pred.shape} like 'pred'")
+        q = trace.pred_prob[rows]
+        if q.size and not (np.isfinite(q).all() and q.min() >= 0 and q.max() <= 1):
+            raise ExpertCacheError(f"{name}: array {PROB_ARRAY!r} must hold probabilities in [0, 1]")
 
 
 # ---- summaries ---------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def cmd_simulate(args) -> int:
                                    f"recorded by `trace record` without --no-predictions)")
         from ..models.predict import width_experts
 
-        predictions = trace.predictions(args.prefetch_width)
+        predictions = trace.predictions(args.prefetch_width, args.prefetch_min_prob)
         n_pred = width_experts(args.prefetch_width, h.top_k, h.pred_width)
     rows = compare(ops, [slots for _, slots in capacities], policies, h.expert_bytes, predictions)
 
@@ -124,7 +124,8 @@ def cmd_simulate(args) -> int:
     print(f"* default policy ({DEFAULT_POLICY}). x MIN: misses / Belady's misses; x MIN nc: the same over "
           f"non-compulsory misses (misses minus first uses, {rows[0].result.compulsory_misses:,}).")
     if pf:
-        print(f"+pf: with prefetch at width {args.prefetch_width:g} ({n_pred} experts per token): misses are "
+        at = f", probability >= {args.prefetch_min_prob:g}" if args.prefetch_min_prob else ""
+        print(f"+pf: with prefetch at width {args.prefetch_width:g} ({n_pred} experts per token{at}): misses are "
               f"demand misses (neither resident nor prefetched); bytes moved count prefetches; x bytes: bytes "
               f"moved / the same policy's without prefetch.")
     waved = {row.result.capacity: row.waved_ops for row in rows if row.waved_ops}
@@ -138,6 +139,7 @@ def cmd_simulate(args) -> int:
     print(json.dumps({"trace": args.trace, "ops": trace.num_ops, "total_experts": h.total_experts,
                       "expert_bytes": h.expert_bytes, "default_policy": DEFAULT_POLICY,
                       "prefetch_width": args.prefetch_width if pf else None,
+                      "prefetch_min_prob": args.prefetch_min_prob if pf else None,
                       "results": [row.as_dict() | {"capacity_spec": label[row.result.capacity],
                                                    "capacity_pct": pct[row.result.capacity],
                                                    "default": row.result.policy == DEFAULT_POLICY}

@@ -13,6 +13,13 @@ the logits, float64) and solves them once; the text's last tokens are held out t
 layer's recall beside the router's. The maps are saved in a safetensors file that names the
 model's routers by checksum, so that they are never applied to another model.
 
+`fit_used` fits another kind of map (objective `used`): from the same input to one logit per
+expert of the probability that the router picks it among its top-k, trained on that 0/1 target
+(binary cross-entropy, AdamW), optionally through one hidden layer (GELU). Its probabilities are
+calibrated, which the router's softmax is not: a guess of 0.6 is right about 60% of the time, so
+`--prefetch-min-prob` can drop the guesses most likely wrong, which are most of the bytes a
+prefetch wastes (docs/benchmarks.md, "A fitted predictor").
+
 T = tokens, D = hidden, E = experts per layer.
 """
 
@@ -30,10 +37,12 @@ from pathlib import Path
 import torch
 
 from ..errors import ExpertCacheError
-from .predict import RouterPredictor, embedded, next_moe_layers, rank_experts, router_input
+from .predict import RouterPredictor, embedded, next_moe_layers, rank_experts, ranked_with, router_input
 
 FORMAT = "expertcache-predictor"
-VERSION = 1
+VERSION = 2
+READS = ("1", "2")  # version 1: linear maps to the router logits only
+OUTPUTS = ("logits", "used")  # what a map's scores are: router logits (softmax), or logits of use (sigmoid)
 
 
 _CHECKSUMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> its routers' checksum
@@ -53,14 +62,34 @@ def router_checksum(decoder) -> str:
 
 @dataclass
 class LinearMaps:
-    """Per MoE layer l: logits [T, E] = x [T, D] @ weight[l].T + bias[l], x the earlier residual in
-    l's router-input normalisation (fp32)."""
+    """Per MoE layer l: scores [T, E] = z @ weight[l].T + bias[l], with z = x (a linear map) or
+    z = gelu(x @ hidden_weight[l].T + hidden_bias[l]) (one hidden layer), x the earlier residual in
+    l's router-input normalisation (fp32). `output` says what the scores are: the router's logits
+    (probabilities by softmax) or, per expert, the logit of its being used (by sigmoid)."""
 
-    weight: dict[int, torch.Tensor]  # layer -> [E, D] fp32
+    weight: dict[int, torch.Tensor]  # layer -> [E, D] (or [E, H] after a hidden layer) fp32
     bias: dict[int, torch.Tensor]  # layer -> [E] fp32
     routers: str  # router_checksum of the model fitted on
     meta: dict = field(default_factory=dict)  # how it was fitted (free-form, JSON)
     name: str = "linear"
+    output: str = "logits"
+    hidden_weight: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H, D] fp32, or empty
+    hidden_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H] fp32
+
+    def scores(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s scores [T, E] for the inputs x [T, D] (fp32, on the maps' device)."""
+        if self.hidden_weight:
+            x = torch.nn.functional.gelu(torch.addmm(self.hidden_bias[layer], x, self.hidden_weight[layer].T))
+        return torch.addmm(self.bias[layer], x, self.weight[layer].T)  # [T, E]
+
+    def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
+        """`scores` [T, E] as probabilities: softmax over the experts, or each expert's sigmoid."""
+        return torch.sigmoid(scores) if self.output == "used" else torch.softmax(scores, dim=-1)
+
+    def to(self, device) -> LinearMaps:
+        move = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
+        return LinearMaps(move(self.weight), move(self.bias), self.routers, self.meta, self.name, self.output,
+                          move(self.hidden_weight), move(self.hidden_bias))
 
     def check(self, decoder) -> None:
         """A one-line error unless these maps were fitted on `decoder`'s model."""
@@ -69,9 +98,15 @@ class LinearMaps:
             raise ExpertCacheError(f"predictor {self.name}: maps for MoE layers {sorted(self.weight)}, the model's "
                                    f"are {list(cfg.moe_layers)}")
         for layer, w in self.weight.items():
-            if tuple(w.shape) != (cfg.num_experts, cfg.hidden_size):
+            hw = self.hidden_weight.get(layer)
+            if hw is not None and tuple(hw.shape[1:]) != (cfg.hidden_size,):
+                raise ExpertCacheError(f"predictor {self.name}: layer {layer} hidden map is {tuple(hw.shape)}, "
+                                       f"expected (width, {cfg.hidden_size}) (its width, the model's hidden size)")
+            inner = cfg.hidden_size if hw is None else hw.shape[0]
+            if tuple(w.shape) != (cfg.num_experts, inner):
                 raise ExpertCacheError(f"predictor {self.name}: layer {layer} map is {tuple(w.shape)}, expected "
-                                       f"({cfg.num_experts}, {cfg.hidden_size}) (experts, hidden)")
+                                       f"({cfg.num_experts}, {inner}) (experts, "
+                                       f"{'hidden' if hw is None else 'its hidden layer'})")
         if router_checksum(decoder) != self.routers:
             raise ExpertCacheError(f"predictor {self.name} was fitted on another model (its routers differ): "
                                    f"fit one for this model with `expertcache trace fit-predictor`")
@@ -81,9 +116,12 @@ class LinearMaps:
         from safetensors.torch import save_file
 
         path = Path(path)
-        tensors = {f"weight.{layer}": w.contiguous() for layer, w in self.weight.items()}
-        tensors |= {f"bias.{layer}": b.contiguous() for layer, b in self.bias.items()}
-        meta = {"format": FORMAT, "version": str(VERSION), "routers": self.routers, "fit": json.dumps(self.meta)}
+        tensors = {}
+        for kind, maps in (("weight", self.weight), ("bias", self.bias), ("hidden_weight", self.hidden_weight),
+                           ("hidden_bias", self.hidden_bias)):
+            tensors |= {f"{kind}.{layer}": t.contiguous() for layer, t in maps.items()}
+        meta = {"format": FORMAT, "version": str(VERSION), "routers": self.routers, "fit": json.dumps(self.meta),
+                "output": self.output}
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
         try:
@@ -110,18 +148,27 @@ class LinearMaps:
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
         except (SafetensorError, OSError, ValueError) as e:
             raise ExpertCacheError(f"predictor {path}: not a safetensors file ({e})") from None
-        if meta.get("format") != FORMAT or meta.get("version") != str(VERSION):
+        if meta.get("format") != FORMAT or meta.get("version") not in READS:
             raise ExpertCacheError(f"predictor {path}: format {meta.get('format')!r} version {meta.get('version')!r}, "
-                                   f"expected {FORMAT!r} version {VERSION}")
-        weight, bias = {}, {}
+                                   f"expected {FORMAT!r} version {' or '.join(READS)}")
+        output = meta.get("output", "logits")
+        if output not in OUTPUTS:
+            raise ExpertCacheError(f"predictor {path}: output {output!r}, expected one of {', '.join(OUTPUTS)}")
+        got: dict[str, dict[int, torch.Tensor]] = {k: {} for k in ("weight", "bias", "hidden_weight", "hidden_bias")}
         for key, t in tensors.items():
             kind, _, layer = key.partition(".")
-            if kind not in ("weight", "bias") or not layer.isdigit():
+            if kind not in got or not layer.isdigit():
                 raise ExpertCacheError(f"predictor {path}: unexpected tensor {key!r}")
-            (weight if kind == "weight" else bias)[int(layer)] = t.float()
+            got[kind][int(layer)] = t.float()
+        weight, bias, hw, hb = got["weight"], got["bias"], got["hidden_weight"], got["hidden_bias"]
         if sorted(weight) != sorted(bias) or any(bias[k].shape != weight[k].shape[:1] for k in weight):
             raise ExpertCacheError(f"predictor {path}: each layer needs a weight [E, D] and a bias [E]")
-        return cls(weight, bias, meta.get("routers", ""), json.loads(meta.get("fit", "{}")), name=path.name)
+        if hw and (sorted(hw) != sorted(weight) or sorted(hb) != sorted(weight)
+                   or any(hb[k].shape != hw[k].shape[:1] or weight[k].shape[1:] != hw[k].shape[:1] for k in hw)):
+            raise ExpertCacheError(f"predictor {path}: a hidden layer needs, for every layer, a hidden_weight [H, D] "
+                                   f"and a hidden_bias [H], and a weight [E, H]")
+        return cls(weight, bias, meta.get("routers", ""), json.loads(meta.get("fit", "{}")), name=path.name,
+                   output=output, hidden_weight=hw, hidden_bias=hb)
 
 
 class LinearPredictor(RouterPredictor):
@@ -131,12 +178,12 @@ class LinearPredictor(RouterPredictor):
         super().__init__(decoder, width)
         maps.check(decoder)
         self.name = f"linear:{maps.name}"
-        self.weight = {k: v.to(decoder.device) for k, v in maps.weight.items()}
-        self.bias = {k: v.to(decoder.device) for k, v in maps.bias.items()}
+        self.maps = maps.to(decoder.device)
 
-    def rank(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+    def rank(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = router_input(self.decoder, layer, h).float()  # [T, D]
-        return rank_experts(torch.addmm(self.bias[layer], x, self.weight[layer].T), self.width)
+        scores = self.maps.scores(layer, x)  # [T, E]
+        return ranked_with(scores, self.maps.probabilities(scores), self.width)
 
 
 def make_predictor(decoder, width: int, maps: LinearMaps | None = None) -> RouterPredictor:

@@ -5,8 +5,10 @@ decoder's `residual_hook`), it applies the router of the next MoE layer l' (with
 router-input normalisation) to the residual stream h and ranks l''s experts for each token. The
 residual changes little from one layer to the next, so this ranks l''s experts much as l''s router
 will. The first MoE layer of a forward is predicted from the tokens' embeddings alone
-(`predict_first`, at the start of the forward, once the tokens are known). Predicting only reads
-the hidden state: outputs are the same with and without it.
+(`predict_first`, at the start of the forward, once the tokens are known). Each ranked expert
+comes with the probability the predictor gives it (the router's softmax here), rounded to float16
+as a trace stores it, so that `--prefetch-min-prob` drops the same guesses in the runtime and in a
+replay. Predicting only reads the hidden state: outputs are the same with and without it.
 
 T = tokens, D = hidden, E = experts per layer, P = experts ranked per token.
 """
@@ -62,11 +64,20 @@ def rank_experts(probs: torch.Tensor, n: int) -> torch.Tensor:
     return torch.topk(probs, n, dim=-1).indices  # [T, n]
 
 
+def ranked_with(scores: torch.Tensor, probs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n best experts of each token by `scores` [T, E] (best first, [T, n] ids) and their
+    `probs` [T, E] gathered, rounded to float16 ([T, n]): what a trace records and
+    `--prefetch-min-prob` compares."""
+    ids = rank_experts(scores, n)
+    return ids, probs.gather(-1, ids).to(torch.float16)
+
+
 class RouterPredictor:
     """The default predictor. Attach it as the decoder's `residual_hook` and call `predict_first`
     with each forward's tokens before the forward; `take(layer)` then hands out the prediction for
     the op of `layer` about to run: [T, P] expert ids, each token's P best first, or None when that
-    layer was not predicted in this forward.
+    layer was not predicted in this forward (`take_scored`: with their probabilities, [T, P]
+    float16).
     """
 
     name = "router"
@@ -79,12 +90,13 @@ class RouterPredictor:
         self.decoder, self.width = decoder, width
         self.first = moe[0]
         self.next = next_moe_layers(moe)
-        self._pending: dict[int, torch.Tensor] = {}
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def rank(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+    def rank(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """MoE layer `layer`'s experts ranked for the residual h [T, D] of an earlier layer (or the
-        embeddings): [T, width] ids, best first."""
-        return rank_experts(router_probs(self.decoder, layer, h), self.width)
+        embeddings): ([T, width] ids, best first; their probabilities [T, width] float16)."""
+        probs = router_probs(self.decoder, layer, h)
+        return ranked_with(probs, probs, self.width)
 
     @torch.inference_mode()
     def __call__(self, layer: int, h: torch.Tensor) -> None:
@@ -99,27 +111,50 @@ class RouterPredictor:
         self._pending[self.first] = self.rank(self.first, embedded(self.decoder, tokens))
 
     def take(self, layer: int) -> torch.Tensor | None:
+        got = self._pending.pop(layer, None)
+        return None if got is None else got[0]
+
+    def take_scored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`take` with the probabilities: (ids [T, P], probabilities [T, P] float16)."""
         return self._pending.pop(layer, None)
+
+    def peek_scored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The prediction `take_scored` would hand out, left in place."""
+        return self._pending.get(layer)
 
     def peek(self, layer: int) -> torch.Tensor | None:
         """The prediction `take` would hand out, left in place."""
-        return self._pending.get(layer)
+        got = self._pending.get(layer)
+        return None if got is None else got[0]
 
     def clear(self) -> None:
         self._pending.clear()
 
 
-def op_prediction(ranked: Sequence[Sequence[int]], n: int) -> list[int]:
+def op_prediction(ranked: Sequence[Sequence[int]], n: int, probs: Sequence[Sequence[float]] | None = None,
+                  min_prob: float = 0.0) -> list[int]:
     """One op's prediction from its tokens' ranked experts ([T][>= n] ids, best first): the union of
     each token's n best, ordered by best rank over the tokens, then id (the order a prefetch
-    plans them in when room runs out)."""
+    plans them in when room runs out). With `probs` ([T][>= n], each ranked expert's probability),
+    a token's expert counts only if its probability is at least `min_prob`."""
     out: list[int] = []
     seen: set[int] = set()
     for r in range(n):
-        for e in sorted({int(row[r]) for row in ranked} - seen):
+        if probs is None:
+            here = {int(row[r]) for row in ranked}
+        else:
+            here = {int(row[r]) for row, p in zip(ranked, probs) if p[r] >= min_prob}
+        for e in sorted(here - seen):
             seen.add(e)
             out.append(e)
     return out
+
+
+def check_min_prob(min_prob: float) -> float:
+    """`--prefetch-min-prob`: a probability in [0, 1) (0 keeps every guess the width allows)."""
+    if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0 <= min_prob < 1:
+        raise ExpertCacheError(f"prefetch min-prob must be a probability in [0, 1), got {min_prob!r}")
+    return float(min_prob)
 
 
 def width_experts(width: float, top_k: int, limit: int) -> int:
@@ -141,11 +176,12 @@ class NextOpPredictions:
     the cache's `predict`, names the next MoE layer's once `layer`'s op is planned.
     """
 
-    def __init__(self, decoder, width: float, plan, maps=None):
+    def __init__(self, decoder, width: float, plan, maps=None, min_prob: float = 0.0):
         from .linear_predictor import make_predictor
 
         cfg = decoder.cfg
         self.decoder, self.plan = decoder, plan
+        self.min_prob = check_min_prob(min_prob)
         self.n = width_experts(width, cfg.top_k, cfg.num_experts)
         self.own = make_predictor(decoder, self.n, maps) if self.n else None
         self.first = cfg.moe_layers[0]
@@ -162,10 +198,13 @@ class NextOpPredictions:
         return hook if isinstance(hook, RouterPredictor) and hook.decoder is self.decoder else None
 
     def _experts(self, source: RouterPredictor, layer: int) -> list[int] | None:
-        ranked = source.peek(layer)  # [T, P]
-        if ranked is None or not self.n:
+        got = source.peek_scored(layer)  # [T, P] ids and probabilities
+        if got is None or not self.n:
             return None
+        ranked, probs = got
         n = min(self.n, ranked.shape[1])
+        if self.min_prob > 0:
+            return op_prediction(ranked[:, :n].tolist(), n, probs[:, :n].tolist(), self.min_prob)
         return op_prediction(ranked[:, :n].tolist(), n)
 
     def begin(self, tokens: torch.Tensor) -> None:

@@ -557,7 +557,8 @@ class ExpertCache:
         out.update(mode=self.mode, policy=self.config.policy, store=self.store.name, capacity=self.capacity,
                    total_experts=self.total_experts, expert_bytes=max(self.expert_bytes.values()),
                    slot_bytes=self.slot_bytes, pool_bytes=self.capacity * self.slot_bytes,
-                   prefetch=self.prefetching, prefetch_width=self.config.prefetch_width)
+                   prefetch=self.prefetching, prefetch_width=self.config.prefetch_width,
+                   prefetch_min_prob=self.config.prefetch_min_prob)
         return out
 
 
