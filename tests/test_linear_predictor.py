@@ -15,12 +15,13 @@ from expertcache import CacheConfig, ExpertCacheError
 from expertcache.bench.simulate import simulate
 from expertcache.bench.trace import TraceRecorder
 from expertcache.models import linear_predictor
-from expertcache.models.linear_predictor import LinearMaps, _Collector, fit
+from expertcache.models.linear_predictor import LinearMaps, _Collector, _train_used, fit, fit_used
 from expertcache.models.predict import embedded, rank_experts, router_input
 from conftest import VOCAB, assert_one_line_error, run_cli
 
 ASSETS = Path(expertcache.__file__).parent / "assets"
 BUNDLED_MAPS = ASSETS / "tiny-qwen3-moe.predictor.safetensors"
+BUNDLED_USED = ASSETS / "tiny-qwen3-moe.predictor-used.safetensors"
 IDS = torch.randint(4, VOCAB, (40,), generator=torch.Generator().manual_seed(3))
 
 
@@ -197,3 +198,119 @@ def test_a_reload_with_other_routers_falls_back_to_the_routers(tmp_path, capsys)
     assert err.count("fitted on another model") == 1 and "the routers predict" in err
     assert model.predictor_maps is None and model.experts.predict.own.name == "router"
     assert torch.equal(got, expertcache.load(path, cache=CacheConfig(mode="resident")).logits(IDS))
+
+
+# ---- maps of use (--objective used) -------------------------------------------------------------
+
+
+def _multi_hot(used: torch.Tensor, experts: int) -> torch.Tensor:
+    return torch.zeros(len(used), experts).scatter_(1, used, 1.0)
+
+
+@pytest.mark.parametrize("hidden", [0, 32])
+def test_maps_of_use_learn_a_known_routing_from_unstandardised_inputs(hidden):
+    """Routing drawn from a known linear rule on inputs far from standardised (offsets, scales):
+    the trained maps, with the standardisation folded into their first layer, rank the held-out
+    tokens' experts as the rule does, and their probabilities add up to about top-k per token."""
+    gen = torch.Generator().manual_seed(0)
+    D, E, K, N = 12, 8, 2, 6000
+    x = torch.randn(N, D, generator=gen) * torch.linspace(0.5, 3, D) + torch.linspace(-2, 2, D)
+    used = rank_experts(x @ torch.randn(E, D, generator=gen).T, K)  # [N, K]
+    got = _train_used(x[:5000], _multi_hot(used[:5000], E), hidden, 60, 3e-2, 250, gen, lambda: None)
+    if hidden:
+        maps = LinearMaps({0: got[2]}, {0: got[3]}, "", output="used", hidden_weight={0: got[0]},
+                          hidden_bias={0: got[1]})
+    else:
+        maps = LinearMaps({0: got[0]}, {0: got[1]}, "", output="used")
+    scores = maps.scores(0, x[5000:])
+    recall = float((rank_experts(scores, K).unsqueeze(-1) == used[5000:].unsqueeze(1)).any(1).sum()) / (1000 * K)
+    assert recall > 0.85, recall  # chance: 0.25
+    total = maps.probabilities(scores).sum(-1)  # [T]: calibrated, about K
+    assert abs(float(total.mean()) - K) < 0.2, float(total.mean())
+
+
+def test_fit_used_maps_round_trip_and_the_runtime_records_their_probabilities(qwen2, tmp_path, monkeypatch):
+    monkeypatch.setattr(linear_predictor, "MIN_FIT_TOKENS", 100)
+    model = expertcache.load(qwen2)
+    ids = torch.randint(4, VOCAB, (600,), generator=torch.Generator().manual_seed(9)).tolist()
+    maps, report = fit_used(model, ids, chunk=100, hidden=16, epochs=3, held_out=100 / 600)
+    assert report["fit_tokens"] == 500 and report["objective"] == "used" and report["hidden"] == 16
+    for layer in (1, 3):
+        r = report["layers"][str(layer)]
+        assert all(0 <= r[k] <= 1 for k in ("router", "linear", "recall_p50", "precision_p50")), r
+        assert maps.hidden_weight[layer].shape == (16, model.cfg.hidden_size)
+        assert maps.weight[layer].shape == (model.cfg.num_experts, 16)
+    path = tmp_path / "used.safetensors"
+    maps.save(path)
+    back = LinearMaps.load(path)
+    assert back.output == "used" and back.meta["objective"] == "used"
+    x = torch.randn(5, model.cfg.hidden_size)
+    for layer in (1, 3):
+        assert torch.equal(back.scores(layer, x), maps.scores(layer, x))
+    # In the runtime: the trace records each guess's probability, the sigmoid of the maps' score
+    # (for the first MoE layer, from the prompt's embeddings), and the replay at --prefetch-min-prob
+    # counts what the runtime did; the logits are the all-resident ones.
+    want = expertcache.load(qwen2, cache=CacheConfig(mode="resident")).logits(IDS)
+    run = expertcache.load(qwen2, cache=CacheConfig(experts=10, prefetch="on", prefetch_width=2.0,
+                                                    prefetch_min_prob=0.3, predictor=str(path)))
+    rec = TraceRecorder.for_model(run, predict=True)
+    with rec.attached(run):
+        assert torch.equal(run.logits(IDS), want)
+    rec.generate(run, IDS[:5].tolist(), max_tokens=4, ignore_eos=True)
+    trace = rec.trace()
+    first = run.cfg.moe_layers[0]
+    scores = back.scores(first, router_input(run.net, first, embedded(run.net, IDS)).float())
+    ranked = rank_experts(scores, trace.header.pred_width)
+    assert torch.equal(torch.as_tensor(trace.pred[: len(IDS)]).long(), ranked)
+    probs = torch.sigmoid(scores).gather(1, ranked).half()
+    assert torch.equal(torch.as_tensor(trace.pred_prob[: len(IDS)]), probs)
+    total = run.telemetry()["total"]
+    sim = simulate(trace.ops(), run.experts.capacity, "lrfu", trace.header.expert_bytes, trace.predictions(2.0, 0.3))
+    assert (total["demand_misses"], total["prefetch_issued"], total["prefetch_used"], total["prefetch_wasted"]) == (
+        sim.misses, sim.prefetch_issued, sim.prefetch_used, sim.prefetch_wasted)
+
+
+def test_bundled_maps_of_use_are_calibrated_on_held_out_text():
+    """The committed maps of use on the held-out text's actual routing: in each band of
+    probability, the share of guesses that are used is close to the probability given, and the
+    guesses at 0.5 or more are right more often than the linear maps' top-k."""
+    model = expertcache.load(None)
+    maps = LinearMaps.load(BUNDLED_USED)
+    maps.check(model.net)
+    linear = LinearMaps.load(BUNDLED_MAPS)
+    text = (ASSETS / "heldout.txt").read_text()
+    ids = model.tokenizer.encode(text)[:4096]
+    net, K = model.net, model.cfg.top_k
+    collect = _Collector(net)
+    net.residual_hook, net.forward_hook = collect, collect.begin
+    model.logits(ids)
+    net.residual_hook = net.forward_hook = None
+    for layer in model.cfg.moe_layers:
+        x, used = collect.features[layer], rank_experts(collect.logits[layer], K)
+        hot = _multi_hot(used, model.cfg.num_experts).bool()
+        p = maps.probabilities(maps.scores(layer, x))
+        for lo, hi in ((0.1, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 1.0)):
+            band = (p >= lo) & (p < hi) if hi < 1 else p >= lo
+            assert int(band.sum()) > 100, (layer, lo)
+            assert abs(float(hot[band].float().mean()) - float(p[band].mean())) < 0.08, (layer, lo)
+        chosen = p >= 0.5
+        precision = float(hot[chosen].float().mean())
+        by_linear = rank_experts(linear.scores(layer, x), K)
+        linear_precision = float((by_linear.unsqueeze(-1) == used.unsqueeze(1)).any(1).sum()) / used.numel()
+        assert precision > linear_precision + 0.03, (layer, precision, linear_precision)
+
+
+def test_fit_predictor_command_objective_used(tmp_path, capsys):
+    text = (ASSETS / "heldout.txt").read_text()[:40_000]
+    (tmp_path / "t.txt").write_text(text)
+    out = tmp_path / "u.safetensors"
+    code, _ = run_cli(capsys, "trace", "fit-predictor", "-f", str(tmp_path / "t.txt"), "-n", "6000", "--chunk",
+                      "1000", "--objective", "used", "--hidden", "8", "--epochs", "2", "-o", str(out), "-t", "1")
+    assert code == 0
+    maps = LinearMaps.load(out)
+    assert maps.output == "used" and maps.meta["hidden"] == 8 and maps.meta["epochs"] == 2
+    maps.check(expertcache.load(None).net)
+    code, err = run_cli(capsys, "trace", "fit-predictor", "-f", str(tmp_path / "t.txt"), "--objective", "none",
+                        "-o", str(tmp_path / "q.safetensors"))
+    assert code == 2 and "invalid choice: 'none'" in err
+    assert not (tmp_path / "q.safetensors").exists()

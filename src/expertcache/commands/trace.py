@@ -259,7 +259,7 @@ def _print_quality(trace, quality: dict) -> None:
 def cmd_fit_predictor(args) -> int:
     from tqdm import tqdm
 
-    from ..models.linear_predictor import MIN_FIT_TOKENS, fit, split_tokens
+    from ..models.linear_predictor import MIN_FIT_TOKENS, fit, fit_used, split_tokens
 
     out = Path(args.output)
     if not out.parent.is_dir():
@@ -271,19 +271,33 @@ def cmd_fit_predictor(args) -> int:
         raise ExpertCacheError(f"{model.path}: no tokenizer.json, cannot encode {args.file}")
     ids = model.tokenizer.encode(text)[: args.tokens]
     split_tokens(len(ids), args.held_out, args.ridge)
-    with tqdm(total=len(ids), desc="fit", unit="tok", file=sys.stderr) as bar:
-        maps, report = fit(model, ids, chunk=args.chunk, ridge=args.ridge, held_out=args.held_out,
-                           progress=bar.update)
+    if args.objective == "logits":
+        with tqdm(total=len(ids), desc="fit", unit="tok", file=sys.stderr) as bar:
+            maps, report = fit(model, ids, chunk=args.chunk, ridge=args.ridge, held_out=args.held_out,
+                               progress=bar.update)
+    else:
+        layers = len(model.cfg.moe_layers)
+        with tqdm(total=len(ids), desc="run", unit="tok", file=sys.stderr) as bar, \
+                tqdm(total=layers * args.epochs, desc="train", unit="epoch", file=sys.stderr) as epochs:
+            maps, report = fit_used(model, ids, chunk=args.chunk, hidden=args.hidden, epochs=args.epochs,
+                                    held_out=args.held_out, seed=args.seed, progress=bar.update,
+                                    on_epoch=lambda _layer: epochs.update(1))
     maps.meta["text"] = args.file
     maps.save(out)
     first = model.cfg.moe_layers[0]
     prev = {nxt: layer for layer, nxt in zip(model.cfg.moe_layers, model.cfg.moe_layers[1:])}
     print(f"fitted on {report['fit_tokens']:,} tokens; recall at width 1.0 on the last "
           f"{report['held_out_tokens']:,} (held out):")
-    print(f"{'layer':>5}  {'predicted from':<24} {'router':>7} {'fitted':>7}")
+    used = args.objective == "used"
+    print(f"{'layer':>5}  {'predicted from':<24} {'router':>7} {'fitted':>7}"
+          + (f" {'R@p0.5':>7} {'P@p0.5':>7}" if used else ""))
     for layer, r in report["layers"].items():
         src = "the embeddings" if int(layer) == first else f"layer {prev[int(layer)]}'s residual"
-        print(f"{layer:>5}  {src:<24} {r['router']:>7.3f} {r['linear']:>7.3f}")
+        print(f"{layer:>5}  {src:<24} {r['router']:>7.3f} {r['linear']:>7.3f}"
+              + (f" {r['recall_p50']:>7.3f} {r['precision_p50']:>7.3f}" if used else ""))
+    if used:
+        print("R@p0.5, P@p0.5: recall and precision of the experts the maps give a probability of 0.5 or more "
+              "(--prefetch-min-prob 0.5)")
     print(f"wrote {out}")
     print(json.dumps({"output": str(out), **report}))
     return 0
@@ -333,7 +347,15 @@ def register(sub) -> None:
     fp.add_argument("-n", "--tokens", type=positive_int, default=65536,
                     help="use the file's first N tokens (default: 65536)")
     fp.add_argument("--chunk", type=positive_int, default=1024, help="tokens per sequence (default: 1024)")
-    fp.add_argument("--ridge", type=float, default=1.0, help="ridge regularisation of each map (default: 1.0)")
+    fp.add_argument("--objective", choices=("logits", "used"), default="logits",
+                    help="logits (default): a linear map to the router's logits, solved by ridge regression; "
+                         "used: the probability that each expert is used, trained on that (calibrated "
+                         "probabilities for --prefetch-min-prob)")
+    fp.add_argument("--ridge", type=float, default=1.0, help="logits: ridge regularisation of each map (default: 1.0)")
+    fp.add_argument("--hidden", type=nonneg_int, default=512,
+                    help="used: units of the maps' hidden layer, 0 for linear maps (default: 512)")
+    fp.add_argument("--epochs", type=positive_int, default=30, help="used: passes over the text (default: 30)")
+    fp.add_argument("--seed", type=int, default=0, help="used: seed of the initialisation and the batches (default: 0)")
     fp.add_argument("--held-out", type=float, default=0.1,
                     help="share of the tokens (the last) kept out of the fit to measure recall (default: 0.1)")
     fp.add_argument("-o", "--output", required=True, help="predictor file to write (.safetensors)")

@@ -246,18 +246,12 @@ def split_tokens(n: int, held_out: float = 0.1, ridge: float = 1.0) -> tuple[int
     return n - n_eval, n_eval
 
 
-def fit(model, token_ids: Sequence[int], chunk: int = 1024, ridge: float = 1.0, held_out: float = 0.1,
-        progress: Callable[[int], None] | None = None) -> tuple[LinearMaps, dict]:
-    """Fit the maps on `model` run over `token_ids` (sequences of `chunk` tokens, each a fresh
-    forward); the last `held_out` share of the tokens is kept out of the fit and measures each
-    layer's recall at width 1.0, the router's beside the maps'. Returns (maps, report)."""
-    ids = list(token_ids)
-    n_fit, n_eval = split_tokens(len(ids), held_out, ridge)
-    net, cfg = model.net, model.cfg
-    moe, K, D = list(cfg.moe_layers), cfg.top_k, cfg.hidden_size
-    gram = {layer: torch.zeros(D + 1, D + 1, dtype=torch.float64) for layer in moe}
-    cross = {layer: torch.zeros(D + 1, cfg.num_experts, dtype=torch.float64) for layer in moe}
-    held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in moe}
+def _run_over(model, ids: list[int], n_fit: int, chunk: int, on_piece: Callable[[bool, int, torch.Tensor,
+              torch.Tensor], None], progress: Callable[[int], None] | None) -> None:
+    """Run `model` over `ids` in sequences of `chunk` tokens (each a fresh forward; the fitted part
+    and the held-out part apart) and hand each MoE layer's (features [T, D], router logits [T, E]),
+    fp32 on the CPU, to `on_piece(fitted, layer, x, y)`."""
+    net = model.net
     collect = _Collector(net)
     hooks = net.residual_hook, net.forward_hook
     net.residual_hook, net.forward_hook = collect, collect.begin
@@ -266,18 +260,57 @@ def fit(model, token_ids: Sequence[int], chunk: int = 1024, ridge: float = 1.0, 
             for start in range(lo, hi, chunk):
                 piece = ids[start:min(start + chunk, hi)]
                 model.logits(piece)
-                for layer in moe:
-                    x, y = collect.features[layer].cpu(), collect.logits[layer].cpu()
-                    if lo == 0:
-                        x1 = _with_one(x)
-                        gram[layer] += x1.T @ x1
-                        cross[layer] += x1.T @ y.double()
-                    else:
-                        held[layer].append((x, y))
+                for layer in model.cfg.moe_layers:
+                    on_piece(lo == 0, layer, collect.features[layer].cpu(), collect.logits[layer].cpu())
                 if progress is not None:
                     progress(len(piece))
     finally:
         net.residual_hook, net.forward_hook = hooks
+
+
+def _report(model, maps: LinearMaps, held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], report: dict) -> dict:
+    """Each layer's recall at width 1.0 on the held-out tokens, the router's beside the maps'; for
+    maps of use, also recall and precision of the experts they give a probability of 0.5 or more."""
+    K = model.cfg.top_k
+    for layer, pieces in held.items():
+        if not pieces:
+            continue
+        x = torch.cat([p[0] for p in pieces])
+        used = rank_experts(torch.cat([p[1] for p in pieces]), K)
+        by_router = rank_experts(x @ model.net.weights.layers[layer].router.float().cpu().T, K)
+        scores = maps.scores(layer, x)
+        row = {"router": round(_recall(by_router, used), 4), "linear": round(_recall(rank_experts(scores, K), used), 4)}
+        if maps.output == "used":
+            chosen = maps.probabilities(scores) >= 0.5  # [T, E]
+            right = int(chosen.gather(1, used).sum())
+            row |= {"recall_p50": round(right / used.numel(), 4),
+                    "precision_p50": round(right / max(1, int(chosen.sum())), 4)}
+        report["layers"][str(layer)] = row
+    return report
+
+
+def fit(model, token_ids: Sequence[int], chunk: int = 1024, ridge: float = 1.0, held_out: float = 0.1,
+        progress: Callable[[int], None] | None = None) -> tuple[LinearMaps, dict]:
+    """Fit the maps on `model` run over `token_ids` (sequences of `chunk` tokens, each a fresh
+    forward); the last `held_out` share of the tokens is kept out of the fit and measures each
+    layer's recall at width 1.0, the router's beside the maps'. Returns (maps, report)."""
+    ids = list(token_ids)
+    n_fit, n_eval = split_tokens(len(ids), held_out, ridge)
+    cfg = model.cfg
+    moe, D = list(cfg.moe_layers), cfg.hidden_size
+    gram = {layer: torch.zeros(D + 1, D + 1, dtype=torch.float64) for layer in moe}
+    cross = {layer: torch.zeros(D + 1, cfg.num_experts, dtype=torch.float64) for layer in moe}
+    held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in moe}
+
+    def accumulate(fitted: bool, layer: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        if fitted:
+            x1 = _with_one(x)
+            gram[layer] += x1.T @ x1
+            cross[layer] += x1.T @ y.double()
+        else:
+            held[layer].append((x, y))
+
+    _run_over(model, ids, n_fit, chunk, accumulate, progress)
     weight, bias = {}, {}
     eye = torch.eye(D + 1, dtype=torch.float64)
     eye[D, D] = 0  # the bias is not shrunk
@@ -285,17 +318,92 @@ def fit(model, token_ids: Sequence[int], chunk: int = 1024, ridge: float = 1.0, 
         a = torch.linalg.solve(gram[layer] + ridge * eye, cross[layer]).float()  # [D + 1, E]
         weight[layer], bias[layer] = a[:D].T.contiguous(), a[D].contiguous()
     report = {"fit_tokens": n_fit, "held_out_tokens": n_eval, "ridge": ridge, "chunk": chunk, "layers": {}}
+    maps = LinearMaps(weight, bias, router_checksum(model.net))
+    _report(model, maps, held, report)
+    maps.meta = {"model": str(model.path), **{k: v for k, v in report.items() if k != "layers"},
+                 "held_out_recall": report["layers"]}
+    return maps, report
+
+
+def fit_used(model, token_ids: Sequence[int], chunk: int = 1024, hidden: int = 512, epochs: int = 30,
+             lr: float = 3e-3, batch: int = 4096, held_out: float = 0.1, seed: int = 0,
+             progress: Callable[[int], None] | None = None,
+             on_epoch: Callable[[int], None] | None = None) -> tuple[LinearMaps, dict]:
+    """Fit maps of use (objective `used`, see the module): per MoE layer, from the predictor's input
+    to one logit per expert of its being among the router's top-k, through one hidden layer of
+    `hidden` units (GELU; 0: a linear map), trained with AdamW (one-cycle learning rate up to `lr`,
+    `epochs` passes in batches of `batch` tokens, seeded by `seed`) on binary cross-entropy. The
+    inputs are standardised for training; the standardisation is folded into the first map, so
+    that the file holds plain affine maps. The held-out tokens report as `fit`'s do, plus recall
+    and precision at probability 0.5. Returns (maps, report)."""
+    ids = list(token_ids)
+    n_fit, n_eval = split_tokens(len(ids), held_out)
+    if not isinstance(hidden, int) or hidden < 0:
+        raise ExpertCacheError(f"hidden width {hidden!r} must be an integer >= 0 (0: a linear map)")
+    if not isinstance(epochs, int) or epochs < 1:
+        raise ExpertCacheError(f"epochs {epochs!r} must be an integer >= 1")
+    cfg = model.cfg
+    moe, K = list(cfg.moe_layers), cfg.top_k
+    feats: dict[int, list[torch.Tensor]] = {layer: [] for layer in moe}
+    used: dict[int, list[torch.Tensor]] = {layer: [] for layer in moe}
+    held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in moe}
+
+    def keep(fitted: bool, layer: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        if fitted:  # half the memory: the features of a long text per layer
+            feats[layer].append(x.half())
+            used[layer].append(rank_experts(y, K).to(torch.int16))
+        else:
+            held[layer].append((x, y))
+
+    _run_over(model, ids, n_fit, chunk, keep, progress)
+    gen = torch.Generator().manual_seed(seed)
+    weight, bias, hidden_weight, hidden_bias = {}, {}, {}, {}
+    done = 0
     for layer in moe:
-        if not held[layer]:
-            continue
-        x = torch.cat([p[0] for p in held[layer]])
-        y = torch.cat([p[1] for p in held[layer]])
-        used = rank_experts(y, K)
-        lw = net.weights.layers[layer]
-        by_router = rank_experts(x @ lw.router.float().cpu().T, K)
-        by_map = rank_experts(torch.addmm(bias[layer], x, weight[layer].T), K)
-        report["layers"][str(layer)] = {"router": round(_recall(by_router, used), 4),
-                                        "linear": round(_recall(by_map, used), 4)}
-    meta = {"model": str(model.path), **{k: v for k, v in report.items() if k != "layers"},
-            "held_out_recall": report["layers"]}
-    return LinearMaps(weight, bias, router_checksum(net), meta), report
+        x = torch.cat(feats.pop(layer)).float()  # [N, D]
+        top = torch.cat(used.pop(layer)).long()  # [N, K]
+        target = torch.zeros(len(x), cfg.num_experts).scatter_(1, top, 1.0)  # [N, E] 0/1
+        w = _train_used(x, target, hidden, epochs, lr, batch, gen, lambda: on_epoch and on_epoch(done))
+        if hidden:
+            hidden_weight[layer], hidden_bias[layer], weight[layer], bias[layer] = w
+        else:
+            weight[layer], bias[layer] = w
+        done += 1
+    report = {"fit_tokens": n_fit, "held_out_tokens": n_eval, "objective": "used", "hidden": hidden,
+              "epochs": epochs, "lr": lr, "batch": batch, "seed": seed, "chunk": chunk, "layers": {}}
+    maps = LinearMaps(weight, bias, router_checksum(model.net), output="used", hidden_weight=hidden_weight,
+                      hidden_bias=hidden_bias)
+    _report(model, maps, held, report)
+    maps.meta = {"model": str(model.path), **{k: v for k, v in report.items() if k != "layers"},
+                 "held_out_recall": report["layers"]}
+    return maps, report
+
+
+def _train_used(x: torch.Tensor, target: torch.Tensor, hidden: int, epochs: int, lr: float, batch: int,
+                gen: torch.Generator, on_epoch: Callable[[], None]) -> tuple[torch.Tensor, ...]:
+    """One map of use from x [N, D] to the 0/1 target [N, E]: its tensors with the inputs'
+    standardisation folded in ((hidden weight, hidden bias,) weight, bias; fp32)."""
+    mu, sd = x.mean(0), x.std(0) + 1e-6  # [D]
+    xn = (x - mu) / sd
+    D, E = x.shape[1], target.shape[1]
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # the layers' initialisation
+    net = (torch.nn.Sequential(torch.nn.Linear(D, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, E))
+           if hidden else torch.nn.Linear(D, E))
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=epochs * -(-len(x) // batch))
+    with torch.enable_grad():
+        for _ in range(epochs):
+            for rows in torch.randperm(len(x), generator=gen).split(batch):
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(net(xn[rows]), target[rows])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+            on_epoch()
+    first = net[0] if hidden else net
+    with torch.no_grad():  # x -> (x - mu) / sd -> W x + b  ==  (W / sd) x + (b - (W / sd) mu)
+        w = first.weight / sd
+        b = first.bias - w @ mu
+        if not hidden:
+            return w.contiguous(), b.contiguous()
+        return w.contiguous(), b.contiguous(), net[2].weight.detach().contiguous(), net[2].bias.detach().contiguous()
