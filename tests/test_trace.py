@@ -179,6 +179,15 @@ def test_prediction_quality_by_hand():
     assert dec[1]["widths"]["1.0"]["recall"] == 0.25 and dec[1]["widths"]["1.0"]["precision"] == 0.25
     assert dec[1]["widths"]["1.5"]["recall"] == 0.5 and dec[1]["widths"]["1.5"]["precision"] == pytest.approx(1 / 3)
     assert prediction_quality(Trace(h, trace.layer, trace.tokens, trace.phase, ids), None) == {}
+    # with probabilities, a floor: width 2.0 (4 per token) keeping guesses at 0.5 or more
+    prob = np.array([[0.9, 0.2, 0.6, 0.1], [0.8, 0.5, 0.4, 0.3], [0.7, 0.6, 0.5, 0.1], [0.9, 0.1, 0.1, 0.1],
+                     [0, 0, 0, 0]], np.float16)
+    floored = Trace(h, trace.layer, trace.tokens, trace.phase, ids, pred, trace.predicted, prob)
+    got = prediction_quality(floored, None, widths=(), floors=[(2.0, 0.5)])
+    # op 0 keeps {1, 0} | {1, 2} = {0, 1, 2}: 3 of 3 used, 3 of 3 predicted; op 1 keeps {5, 6, 4} vs
+    # {4, 5}: 2 of 2, 2 of 3; op 2 keeps {7} vs {4, 6}: 0 of 2, 0 of 1
+    assert got[0]["widths"]["2.0,p>=0.5"] == {"predicted": 3, "correct": 3, "recall": 1.0, "precision": 1.0}
+    assert got[1]["widths"]["2.0,p>=0.5"] == {"predicted": 4, "correct": 2, "recall": 0.5, "precision": 0.5}
 
 
 @pytest.mark.parametrize("make, message", [
@@ -368,6 +377,19 @@ def test_command_line_record_simulate_stats(ckpt, tmp_path, capsys):
     assert (pf["misses"], pf["prefetch_issued"], pf["prefetch_used"], pf["prefetch_wasted"]) == (
         want.misses, want.prefetch_issued, want.prefetch_used, want.prefetch_wasted) and want.prefetch_issued > 0
     assert any("lru+pf" in line for line in lines)
+    # with a probability floor: the replay drops the guesses below it, and stats reports that setting
+    assert main(["trace", "simulate", str(out), "--capacity", "25%", "--policy", "lrfu", "--prefetch",
+                 "--prefetch-width", "2", "--prefetch-min-prob", "0.2"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    pf = result["results"][2]
+    want = simulate(t.ops(), 6, "lrfu", t.header.expert_bytes, t.predictions(2.0, 0.2))
+    assert result["prefetch_min_prob"] == 0.2 and t.predictions(2.0, 0.2) != t.predictions(2.0)
+    assert (pf["misses"], pf["prefetch_issued"]) == (want.misses, want.prefetch_issued)
+    assert main(["trace", "stats", str(out), "--prefetch-width", "2", "--prefetch-min-prob", "0.2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    q = json.loads(lines[-1])["prediction"]["decode"]["1"]["widths"]
+    assert set(q) == {"1.0", "1.5", "2.0", "2.0,p>=0.2"} and q["2.0,p>=0.2"]["predicted"] < q["2.0"]["predicted"]
+    assert any("R@2,p0.2" in line for line in lines)
 
     out3 = tmp_path / "plain.npz"
     assert main(["trace", "record", "-m", str(path), "-f", str(text), "-n", "2", "--no-predictions",

@@ -1,11 +1,14 @@
-"""The prefetch issue's goals on both trained models' decode traces, as one JSON object and two
+"""The prefetch issue's goals on both trained models' decode traces, as one JSON object and three
 markdown tables (docs/benchmarks.md, "Prefetch: prediction quality and simulated misses").
 
 For each trace: every demand-only policy's misses over Belady's MIN at 10/25/50/75% of the
 experts (which default policy), and `lrfu` with prefetch from the router predictor's and the
 fitted predictor's recorded predictions (the same routing, recorded twice) at widths 0.75 and 1.0:
-demand misses over MIN, and bytes moved over `lrfu`'s without prefetch. Run from the repository
-root: `python docs/traces/prefetch_goals.py`.
+demand misses over MIN, and bytes moved over `lrfu`'s without prefetch. Then the bundled model's
+traces recorded with its maps of use (`docs/traces/used/`) against its linear maps on the same
+routing (`docs/traces/used/linear/`): the linear maps at width 1.0, the maps of use at width 2.0
+with `--prefetch-min-prob` 0.5, 0.55 and 0.6. Run from the repository root:
+`python docs/traces/prefetch_goals.py`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,35 @@ TRACES = {  # name -> (router predictor's trace, fitted predictor's trace: the s
 }
 CAPACITIES = "10%,25%,50%,75%"
 WIDTHS = (0.75, 1.0)
+USED = {  # name -> (linear maps' trace, maps of use's trace: the same routing)
+    f"bundled {t}": (f"docs/traces/used/linear/{t}.npz", f"docs/traces/used/{t}.npz")
+    for t in ("chat", "long-prefill", "multiturn")}
+USED_SETTINGS = (("linear", 1.0, 0.0), ("used", 2.0, 0.5), ("used", 2.0, 0.55), ("used", 2.0, 0.6))
+
+
+def used_rows() -> dict:
+    """Demand misses over MIN and bytes over lrfu's without prefetch, per setting of USED_SETTINGS."""
+    out = {}
+    for name, (linear_path, used_path) in USED.items():
+        traces = {"linear": load_trace(linear_path), "used": load_trace(used_path)}
+        if not np.array_equal(traces["linear"].ids, traces["used"].ids):
+            sys.exit(f"{linear_path} and {used_path} do not hold the same routing")
+        h = traces["used"].header
+        ops = traces["used"].ops()
+        rows = []
+        for label, capacity in parse_capacities(CAPACITIES, h.total_experts):
+            best = simulate_belady(ops, capacity, h.expert_bytes).misses
+            base = simulate(ops, capacity, "lrfu", h.expert_bytes)
+            row = {"capacity": label, "min": best, "lrfu": round(base.misses / best, 3)}
+            for kind, width, min_prob in USED_SETTINGS:
+                r = simulate(ops, capacity, "lrfu", h.expert_bytes, traces[kind].predictions(width, min_prob))
+                row[f"{kind}@{width:g}" + (f",p>={min_prob:g}" if min_prob else "")] = {
+                    "misses": round(r.misses / best, 3), "bytes": round(r.bytes_moved / base.bytes_moved, 3),
+                    "issued": r.prefetch_issued, "wasted": r.prefetch_wasted}
+            rows.append(row)
+            print(name, json.dumps(row), file=sys.stderr)
+        out[name] = {"trace": used_path, "decode_tokens": traces["used"].decode_tokens(), "rows": rows}
+    return out
 
 
 def main() -> None:
@@ -67,7 +99,15 @@ def main() -> None:
         for row in t["rows"]:
             print(f"| {name} | {row['capacity']} | "
                   + " | ".join(f"{row[c]['misses']:.2f}x, {row[c]['bytes']:.2f}x" for c in cols) + " |")
-    print(json.dumps(out))
+    used = used_rows()
+    cols = [c for c in used[next(iter(used))]["rows"][0] if "@" in c]
+    print("\n| trace | capacity | lrfu | " + " | ".join(cols) + " |")
+    print("|---|---:|---:|" + "---|" * len(cols))
+    for name, t in used.items():
+        for row in t["rows"]:
+            print(f"| {name} | {row['capacity']} | {row['lrfu']:.2f} | "
+                  + " | ".join(f"{row[c]['misses']:.2f}x, {row[c]['bytes']:.2f}x" for c in cols) + " |")
+    print(json.dumps(out | {"maps of use": used}))
 
 
 if __name__ == "__main__":

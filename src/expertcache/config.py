@@ -33,6 +33,13 @@ def parse_dtype(value: str | torch.dtype | None, what: str = "dtype") -> torch.d
     return _DTYPES[name]
 
 
+def check_min_prob(min_prob: float) -> float:
+    """`prefetch_min_prob`: a probability in [0, 1) (0 keeps every guess the width allows)."""
+    if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0 <= min_prob < 1:
+        raise ExpertCacheError(f"prefetch min-prob must be a probability in [0, 1), got {min_prob!r}")
+    return float(min_prob)
+
+
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
     theta: float = 10000.0
@@ -275,8 +282,6 @@ class CacheConfig:
         w = self.prefetch_width
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 64:
             raise ExpertCacheError(f"prefetch width {w!r} must be a number in [0, 64] (a multiple of top-k)")
-        from .models.predict import check_min_prob
-
         check_min_prob(self.prefetch_min_prob)
         if self.predictor is not None and not isinstance(self.predictor, (str, os.PathLike)):
             raise ExpertCacheError(f"predictor {self.predictor!r} must be the path of a fitted predictor file")

@@ -546,20 +546,26 @@ def reuse_summary(distances: np.ndarray, first_uses: int) -> dict:
 WIDTHS = (1.0, 1.5, 2.0)  # prediction widths `trace stats` reports, as multiples of top-k
 
 
-def prediction_quality(trace: Trace, phase: str | None = None,
-                       widths: Sequence[float] = WIDTHS) -> dict[int, dict]:
-    """Per MoE layer, over the predicted ops of `phase`, at each width (a multiple of top-k): recall
-    (the share of the ops' distinct used experts that were predicted) and precision (the share of
-    predicted experts that were used), both summed over ops before dividing. Layers with no
-    predicted op are left out."""
+def quality_label(width: float, min_prob: float = 0.0) -> str:
+    """How `prediction_quality` names a setting: "1.5", or "2.0,p>=0.55" with a probability floor."""
+    return str(width) + (f",p>={min_prob:g}" if min_prob else "")
+
+
+def prediction_quality(trace: Trace, phase: str | None = None, widths: Sequence[float] = WIDTHS,
+                       floors: Sequence[tuple[float, float]] = ()) -> dict[int, dict]:
+    """Per MoE layer, over the predicted ops of `phase`, at each width (a multiple of top-k) and
+    each (width, probability floor) of `floors` (`--prefetch-min-prob`): recall (the share of the
+    ops' distinct used experts that were predicted) and precision (the share of predicted experts
+    that were used), both summed over ops before dividing. Layers with no predicted op are left
+    out."""
     if not trace.has_predictions:
         return {}
     sel = select(trace, phase) & trace.predicted.astype(bool)
     used = trace.used()  # [N, E]
     out: dict[int, dict] = {}
-    for width in widths:
-        hit = np.zeros_like(used)  # [N, E] predicted at this width
-        for i, p in enumerate(trace.predictions(width)):
+    for width, min_prob in [(w, 0.0) for w in widths] + list(floors):
+        hit = np.zeros_like(used)  # [N, E] predicted at this setting
+        for i, p in enumerate(trace.predictions(width, min_prob)):
             if p is not None:
                 hit[i, p] = True
         for layer in trace.header.moe_layers:
@@ -569,7 +575,7 @@ def prediction_quality(trace: Trace, phase: str | None = None,
             n_used, n_pred = int(used[ops].sum()), int(hit[ops].sum())
             correct = int((used[ops] & hit[ops]).sum())
             row = out.setdefault(layer, {"ops": int(ops.sum()), "used": n_used, "widths": {}})
-            row["widths"][str(width)] = {"predicted": n_pred, "correct": correct,
+            row["widths"][quality_label(width, min_prob)] = {"predicted": n_pred, "correct": correct,
                                          "recall": correct / n_used if n_used else 0.0,
                                          "precision": correct / n_pred if n_pred else 0.0}
     return out

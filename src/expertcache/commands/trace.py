@@ -228,28 +228,32 @@ def cmd_stats(args) -> int:
     quality = {}
     if trace.has_predictions:
         phases = ["prefill", "decode"] if phase is None else [phase]
-        quality = {p: prediction_quality(trace, p) for p in phases}
-        _print_quality(trace, quality)
+        floors = [(args.prefetch_width, args.prefetch_min_prob)] if args.prefetch_min_prob else []
+        quality = {p: prediction_quality(trace, p, floors=floors) for p in phases}
+        _print_quality(trace, quality, floors)
     print(json.dumps({"trace": args.trace, "phase": args.phase, "layers": {str(k): v for k, v in layers.items()},
                       "prediction": {p: {str(k): v for k, v in q.items()} for p, q in quality.items()}}))
     return 0
 
 
-def _print_quality(trace, quality: dict) -> None:
-    from ..bench.trace import WIDTHS
+def _print_quality(trace, quality: dict, floors: list[tuple[float, float]]) -> None:
+    from ..bench.trace import WIDTHS, quality_label
     from ..models.predict import width_experts
 
     h = trace.header
     ks = [width_experts(w, h.top_k, h.pred_width) for w in WIDTHS]
+    labels = [str(w) for w in WIDTHS] + [quality_label(w, p) for w, p in floors]
+    short = [format(w, "g") for w in WIDTHS] + [f"{w:g},p{p:g}" for w, p in floors]
     print(f"prediction ({h.predictor or 'unnamed'} predictor), per layer over its predicted ops: recall R "
           f"(used experts that were predicted) and precision P (predicted experts that were used) at width "
-          + ", ".join(f"{w:g} ({k}/token)" for w, k in zip(WIDTHS, ks)))
-    print(f"{'phase':>7} {'layer':>5} {'ops':>7} " + " ".join(f"{'R@' + format(w, 'g'):>6} {'P@' + format(w, 'g'):>6}"
-                                                           for w in WIDTHS))
+          + ", ".join(f"{w:g} ({k}/token)" for w, k in zip(WIDTHS, ks))
+          + "".join(f"; at width {w:g} with probability >= {p:g} (W,pP)" for w, p in floors))
+    wide = max(6, *(len(s) + 2 for s in short))
+    print(f"{'phase':>7} {'layer':>5} {'ops':>7} " + " ".join(f"{'R@' + s:>{wide}} {'P@' + s:>{wide}}" for s in short))
     for phase, layers in quality.items():
         for layer, q in layers.items():
-            cells = " ".join(f"{q['widths'][str(w)]['recall']:>6.3f} {q['widths'][str(w)]['precision']:>6.3f}"
-                             for w in WIDTHS)
+            cells = " ".join(f"{q['widths'][c]['recall']:>{wide}.3f} {q['widths'][c]['precision']:>{wide}.3f}"
+                             for c in labels)
             print(f"{phase:>7} {layer:>5} {q['ops']:>7,} {cells}")
 
 
@@ -276,12 +280,22 @@ def cmd_fit_predictor(args) -> int:
             maps, report = fit(model, ids, chunk=args.chunk, ridge=args.ridge, held_out=args.held_out,
                                progress=bar.update)
     else:
-        layers = len(model.cfg.moe_layers)
-        with tqdm(total=len(ids), desc="run", unit="tok", file=sys.stderr) as bar, \
-                tqdm(total=layers * args.epochs, desc="train", unit="epoch", file=sys.stderr) as epochs:
+        bars = {"run": tqdm(total=len(ids), desc="run", unit="tok", file=sys.stderr)}
+
+        def epoch(_layer: int) -> None:
+            if "train" not in bars:  # the run is over: its bar closes, training's opens
+                bars["run"].close()
+                bars["train"] = tqdm(total=len(model.cfg.moe_layers) * args.epochs, desc="train",
+                                     unit="epoch", file=sys.stderr)
+            bars["train"].update(1)
+
+        try:
             maps, report = fit_used(model, ids, chunk=args.chunk, hidden=args.hidden, epochs=args.epochs,
-                                    held_out=args.held_out, seed=args.seed, progress=bar.update,
-                                    on_epoch=lambda _layer: epochs.update(1))
+                                    held_out=args.held_out, seed=args.seed, progress=bars["run"].update,
+                                    on_epoch=epoch)
+        finally:
+            for bar in bars.values():
+                bar.close()
     maps.meta["text"] = args.file
     maps.save(out)
     first = model.cfg.moe_layers[0]
@@ -364,4 +378,5 @@ def register(sub) -> None:
     st = tsub.add_parser("stats", help="expert popularity and reuse distances, per layer")
     st.add_argument("trace")
     st.add_argument("--phase", choices=("all", "prefill", "decode"), default="all")
+    add_prefetch_width_flag(st)  # with --prefetch-min-prob, one more pair of columns: that width and floor
     st.set_defaults(func=cmd_stats)

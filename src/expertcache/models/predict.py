@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..config import check_min_prob
 from ..errors import ExpertCacheError
 from .parallel_ffn import ParallelFFN
 
@@ -148,13 +149,6 @@ def op_prediction(ranked: Sequence[Sequence[int]], n: int, probs: Sequence[Seque
             seen.add(e)
             out.append(e)
     return out
-
-
-def check_min_prob(min_prob: float) -> float:
-    """`--prefetch-min-prob`: a probability in [0, 1) (0 keeps every guess the width allows)."""
-    if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0 <= min_prob < 1:
-        raise ExpertCacheError(f"prefetch min-prob must be a probability in [0, 1), got {min_prob!r}")
-    return float(min_prob)
 
 
 def width_experts(width: float, top_k: int, limit: int) -> int:
