@@ -54,6 +54,7 @@ from expertcache.models.mixers import describe_layers
 from expertcache.models.pack import pack
 from expertcache.models.synth import synth
 from expertcache.tiers.policy import ExpertKey, POLICIES
+from expertcache.tiers.transfer import COPY_THREAD
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "gguf"
 
@@ -149,29 +150,30 @@ def prefetch_checks(device: str, root: Path) -> list[tuple[str, bool, str]]:
     rows.append((f"prefetch on/off bitwise logits, greedy: {n_ok}/{len(configs)}", n_ok == len(configs), bad))
 
     n_ok, bad = 0, ""
-    for n, width, store in ((8, 1.0, "ram"), (24, 2.0, "ram"), (24, 1.5, "disk")):
+    for n, width, store, floor in ((8, 1.0, "ram", 0.0), (24, 2.0, "ram", 0.0), (24, 1.5, "disk", 0.0),
+                                   (24, 2.0, "disk", 0.1)):
         model = expertcache.load(packed, device=device, cache=CacheConfig(
-            mode="cache", experts=n, store=store, prefetch="on", prefetch_width=width))
+            mode="cache", experts=n, store=store, prefetch="on", prefetch_width=width, prefetch_min_prob=floor))
         rec = TraceRecorder.for_model(model, predict=True)
         rec.generate(model, ids[:20].tolist(), max_tokens=12, ubatch=8, ignore_eos=True)
         t = rec.trace()
         total = model.telemetry()["total"]
-        sim = simulate(t.ops(), n, model.experts.config.policy, t.header.expert_bytes, t.predictions(width))
+        sim = simulate(t.ops(), n, model.experts.config.policy, t.header.expert_bytes, t.predictions(width, floor))
         got = (total["resident_hits"], total["demand_misses"], total["evictions"], total["copied_bytes"],
                total["prefetch_issued"], total["prefetch_used"], total["prefetch_wasted"])
         want = (sim.hits, sim.misses, sim.evictions, sim.bytes_moved, sim.prefetch_issued, sim.prefetch_used,
                 sim.prefetch_wasted)
         n_ok += got == want and sim.prefetch_issued > 0
         if got != want and not bad:
-            bad = f"experts={n} width {width} {store}: runtime {got}, simulator {want}"
-    rows.append((f"prefetch counters equal the simulator's: {n_ok}/3", n_ok == 3, bad))
+            bad = f"experts={n} width {width} min-prob {floor} {store}: runtime {got}, simulator {want}"
+    rows.append((f"prefetch counters equal the simulator's: {n_ok}/4", n_ok == 4, bad))
 
     for what, action in (("slowed", "sleep"), ("failing", "raise")):
         model = expertcache.load(packed, device=device, cache=CacheConfig(
             mode="cache", experts=24, store="disk", prefetch="on", prefetch_width=2.0))
 
         def hook(_n, action=action):
-            if threading.current_thread().name == "expertcache-prefetch":
+            if threading.current_thread().name == COPY_THREAD:
                 if action == "sleep":
                     time.sleep(0.005)
                 else:

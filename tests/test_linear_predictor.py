@@ -79,19 +79,25 @@ def test_fit_is_the_least_squares_solution_and_held_out_recall_is_measured(qwen2
     assert net.residual_hook is None and net.forward_hook is None  # the fit put the hooks back
 
 
+def _held_out(model, tokens: int) -> _Collector:
+    """The bundled model run over the first `tokens` of its held-out text: each MoE layer's
+    predictor inputs and router logits (`_Collector`'s)."""
+    net = model.net
+    collect = _Collector(net)
+    net.residual_hook, net.forward_hook = collect, collect.begin
+    model.logits(model.tokenizer.encode((ASSETS / "heldout.txt").read_text())[:tokens])
+    net.residual_hook = net.forward_hook = None
+    return collect
+
+
 def test_bundled_predictor_beats_the_routers_on_held_out_text():
     """The committed maps (fitted on standard-library modules the model was trained on) against
     the routers, on the held-out text's actual routing: recall at width 1.0 per layer."""
     model = expertcache.load(None)
     maps = LinearMaps.load(BUNDLED_MAPS)
     maps.check(model.net)
-    text = (ASSETS / "heldout.txt").read_text()
-    ids = model.tokenizer.encode(text)[:2048]
     net, K = model.net, model.cfg.top_k
-    collect = _Collector(net)
-    net.residual_hook, net.forward_hook = collect, collect.begin
-    model.logits(ids)
-    net.residual_hook = net.forward_hook = None
+    collect = _held_out(model, 2048)
     for layer in model.cfg.moe_layers:
         x, used = collect.features[layer], rank_experts(collect.logits[layer], K)
         by_router = rank_experts(x @ net.weights.layers[layer].router.float().T, K)
@@ -278,13 +284,8 @@ def test_bundled_maps_of_use_are_calibrated_on_held_out_text():
     maps = LinearMaps.load(BUNDLED_USED)
     maps.check(model.net)
     linear = LinearMaps.load(BUNDLED_MAPS)
-    text = (ASSETS / "heldout.txt").read_text()
-    ids = model.tokenizer.encode(text)[:4096]
-    net, K = model.net, model.cfg.top_k
-    collect = _Collector(net)
-    net.residual_hook, net.forward_hook = collect, collect.begin
-    model.logits(ids)
-    net.residual_hook = net.forward_hook = None
+    K = model.cfg.top_k
+    collect = _held_out(model, 4096)
     for layer in model.cfg.moe_layers:
         x, used = collect.features[layer], rank_experts(collect.logits[layer], K)
         hot = _multi_hot(used, model.cfg.num_experts).bool()

@@ -19,11 +19,12 @@ from expertcache.flags import Parser, add_cache_flags, cache_config
 from expertcache.models.pack import pack
 from expertcache.telemetry import OP_COUNTERS
 from expertcache.tiers.policy import ExpertKey
+from expertcache.tiers.transfer import COPY_THREAD
 from conftest import VOCAB
 
 IDS = torch.randint(4, VOCAB, (24,), generator=torch.Generator().manual_seed(5))
 PROMPT = IDS[:10].tolist()
-WORKER = "expertcache-copy"
+WORKER = COPY_THREAD
 
 
 @pytest.fixture(scope="module")

@@ -92,22 +92,21 @@ def main() -> None:
     for name, t in out.items():
         for row in t["rows"]:
             print(f"| {name} | {row['capacity']} | " + " | ".join(f"{row['policies'][p]:.2f}" for p in POLICY_NAMES) + " |")
-    cols = [f"{p}@{w:g}" for p in ("router", "fitted") for w in WIDTHS]
-    print("\n| trace | capacity | " + " | ".join(cols) + " |")
-    print("|---|---:|" + "---|" * len(cols))
-    for name, t in out.items():
-        for row in t["rows"]:
-            print(f"| {name} | {row['capacity']} | "
-                  + " | ".join(f"{row[c]['misses']:.2f}x, {row[c]['bytes']:.2f}x" for c in cols) + " |")
+    print_prefetch_table(out, [f"{p}@{w:g}" for p in ("router", "fitted") for w in WIDTHS])
     used = used_rows()
-    cols = [c for c in used[next(iter(used))]["rows"][0] if "@" in c]
-    print("\n| trace | capacity | lrfu | " + " | ".join(cols) + " |")
-    print("|---|---:|---:|" + "---|" * len(cols))
-    for name, t in used.items():
-        for row in t["rows"]:
-            print(f"| {name} | {row['capacity']} | {row['lrfu']:.2f} | "
-                  + " | ".join(f"{row[c]['misses']:.2f}x, {row[c]['bytes']:.2f}x" for c in cols) + " |")
+    print_prefetch_table(used, [c for c in used[next(iter(used))]["rows"][0] if "@" in c], lrfu=True)
     print(json.dumps(out | {"maps of use": used}))
+
+
+def print_prefetch_table(traces: dict, cols: list[str], lrfu: bool = False) -> None:
+    """One markdown table: per trace and capacity, each column's demand misses over MIN, bytes
+    over lrfu's without prefetch (with `lrfu`, first lrfu's own misses over MIN)."""
+    print("\n| trace | capacity | " + ("lrfu | " if lrfu else "") + " | ".join(cols) + " |")
+    print("|---|---:|" + ("---:|" if lrfu else "") + "---|" * len(cols))
+    for name, t in traces.items():
+        for row in t["rows"]:
+            print(f"| {name} | {row['capacity']} | " + (f"{row['lrfu']:.2f} | " if lrfu else "")
+                  + " | ".join(f"{row[c]['misses']:.2f}x, {row[c]['bytes']:.2f}x" for c in cols) + " |")
 
 
 if __name__ == "__main__":

@@ -122,13 +122,16 @@ class CopyJob:
         self.event = None  # on a GPU: recorded on the prefetch stream after the job's copies
 
 
+COPY_THREAD = "expertcache-copy"  # the worker thread's name (fault injection keys on it)
+
+
 class CopyWorker:
     """A thread that runs queued copy jobs one at a time, in order, and never starts one while a
     demand copy is being made (`demand()`): prefetch yields to demand. A queued job can be
     `claim`ed, and the caller then runs it itself (the demand path takes it over); a running one
     is waited for. `run(job)` does the copies; what it raises is kept in `job.error`."""
 
-    def __init__(self, run: Callable[[CopyJob], None], name: str = "expertcache-copy"):
+    def __init__(self, run: Callable[[CopyJob], None], name: str = COPY_THREAD):
         self._run = run
         self._cond = threading.Condition()
         self._queue: deque[CopyJob] = deque()
