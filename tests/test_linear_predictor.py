@@ -315,3 +315,15 @@ def test_fit_predictor_command_objective_used(tmp_path, capsys):
                         "-o", str(tmp_path / "q.safetensors"))
     assert code == 2 and "invalid choice: 'none'" in err
     assert not (tmp_path / "q.safetensors").exists()
+
+
+def test_fit_used_refuses_what_memory_cannot_hold(tmp_path, capsys, monkeypatch):
+    # The inputs it keeps to train on (tokens x MoE layers x (hidden + top-k) x 2 bytes) against
+    # what the machine has free: a one-line error before the model runs, and no file.
+    monkeypatch.setattr(linear_predictor, "_free_memory", lambda: 10 * 2**20)
+    (tmp_path / "t.txt").write_text((ASSETS / "heldout.txt").read_text()[:40_000])
+    code, err = run_cli(capsys, "trace", "fit-predictor", "-f", str(tmp_path / "t.txt"), "-n", "8192",
+                        "--objective", "used", "-o", str(tmp_path / "u.safetensors"))
+    # 7,373 tokens fitted x 4 layers x (256 + 4) x 2 bytes = 14.6 MiB > 0.8 x 10 MiB
+    assert_one_line_error(code, err, "7,373 tokens", "15 MiB of inputs", "10 MiB are free", "give fewer tokens (-n)")
+    assert not (tmp_path / "u.safetensors").exists()

@@ -280,19 +280,21 @@ def cmd_fit_predictor(args) -> int:
             maps, report = fit(model, ids, chunk=args.chunk, ridge=args.ridge, held_out=args.held_out,
                                progress=bar.update)
     else:
-        bars = {"run": tqdm(total=len(ids), desc="run", unit="tok", file=sys.stderr)}
+        bars = {}  # opened at their first step: a refusal before the run prints no bar
 
-        def epoch(_layer: int) -> None:
-            if "train" not in bars:  # the run is over: its bar closes, training's opens
-                bars["run"].close()
-                bars["train"] = tqdm(total=len(model.cfg.moe_layers) * args.epochs, desc="train",
-                                     unit="epoch", file=sys.stderr)
-            bars["train"].update(1)
+        def step(name: str, total: int, unit: str, n: int) -> None:
+            if name not in bars:
+                for bar in bars.values():  # the run is over when training starts
+                    bar.close()
+                bars[name] = tqdm(total=total, desc=name, unit=unit, file=sys.stderr)
+            bars[name].update(n)
 
+        epochs = len(model.cfg.moe_layers) * args.epochs
         try:
             maps, report = fit_used(model, ids, chunk=args.chunk, hidden=args.hidden, epochs=args.epochs,
-                                    held_out=args.held_out, seed=args.seed, progress=bars["run"].update,
-                                    on_epoch=epoch)
+                                    held_out=args.held_out, seed=args.seed,
+                                    progress=lambda n: step("run", len(ids), "tok", n),
+                                    on_epoch=lambda _layer: step("train", epochs, "epoch", 1))
         finally:
             for bar in bars.values():
                 bar.close()

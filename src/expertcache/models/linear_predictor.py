@@ -344,6 +344,12 @@ def fit_used(model, token_ids: Sequence[int], chunk: int = 1024, hidden: int = 5
         raise ExpertCacheError(f"epochs {epochs!r} must be an integer >= 1")
     cfg = model.cfg
     moe, K = list(cfg.moe_layers), cfg.top_k
+    need = n_fit * len(moe) * (cfg.hidden_size + K) * 2  # fp16 inputs and int16 expert ids, kept to train on
+    free = _free_memory()
+    if free is not None and need > 0.8 * free:
+        raise ExpertCacheError(f"fitting maps of use on {n_fit:,} tokens keeps {need / 2**20:,.0f} MiB of inputs "
+                               f"({len(moe)} MoE layers x {cfg.hidden_size} wide) and {free / 2**20:,.0f} MiB are "
+                               f"free: give fewer tokens (-n)")
     feats: dict[int, list[torch.Tensor]] = {layer: [] for layer in moe}
     used: dict[int, list[torch.Tensor]] = {layer: [] for layer in moe}
     held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in moe}
@@ -363,7 +369,8 @@ def fit_used(model, token_ids: Sequence[int], chunk: int = 1024, hidden: int = 5
         x = torch.cat(feats.pop(layer)).float()  # [N, D]
         top = torch.cat(used.pop(layer)).long()  # [N, K]
         target = torch.zeros(len(x), cfg.num_experts).scatter_(1, top, 1.0)  # [N, E] 0/1
-        w = _train_used(x, target, hidden, epochs, lr, batch, gen, lambda: on_epoch and on_epoch(done))
+        w = _train_used(x.to(model.net.device), target.to(model.net.device), hidden, epochs, lr, batch, gen,
+                        lambda: on_epoch and on_epoch(done))
         if hidden:
             hidden_weight[layer], hidden_bias[layer], weight[layer], bias[layer] = w
         else:
@@ -379,21 +386,34 @@ def fit_used(model, token_ids: Sequence[int], chunk: int = 1024, hidden: int = 5
     return maps, report
 
 
+def _free_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux's MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _train_used(x: torch.Tensor, target: torch.Tensor, hidden: int, epochs: int, lr: float, batch: int,
                 gen: torch.Generator, on_epoch: Callable[[], None]) -> tuple[torch.Tensor, ...]:
-    """One map of use from x [N, D] to the 0/1 target [N, E]: its tensors with the inputs'
-    standardisation folded in ((hidden weight, hidden bias,) weight, bias; fp32)."""
+    """One map of use from x [N, D] to the 0/1 target [N, E], trained on their device (the
+    model's: a GPU trains it there): its tensors with the inputs' standardisation folded in
+    ((hidden weight, hidden bias,) weight, bias; fp32, on the CPU)."""
     mu, sd = x.mean(0), x.std(0) + 1e-6  # [D]
     xn = (x - mu) / sd
     D, E = x.shape[1], target.shape[1]
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # the layers' initialisation
     net = (torch.nn.Sequential(torch.nn.Linear(D, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, E))
-           if hidden else torch.nn.Linear(D, E))
+           if hidden else torch.nn.Linear(D, E)).to(x.device)
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=epochs * -(-len(x) // batch))
     with torch.enable_grad():
         for _ in range(epochs):
-            for rows in torch.randperm(len(x), generator=gen).split(batch):
+            for rows in torch.randperm(len(x), generator=gen).to(x.device).split(batch):
                 loss = torch.nn.functional.binary_cross_entropy_with_logits(net(xn[rows]), target[rows])
                 opt.zero_grad()
                 loss.backward()
@@ -404,6 +424,5 @@ def _train_used(x: torch.Tensor, target: torch.Tensor, hidden: int, epochs: int,
     with torch.no_grad():  # x -> (x - mu) / sd -> W x + b  ==  (W / sd) x + (b - (W / sd) mu)
         w = first.weight / sd
         b = first.bias - w @ mu
-        if not hidden:
-            return w.contiguous(), b.contiguous()
-        return w.contiguous(), b.contiguous(), net[2].weight.detach().contiguous(), net[2].bias.detach().contiguous()
+        out = (w, b) if not hidden else (w, b, net[2].weight.detach(), net[2].bias.detach())
+        return tuple(t.to("cpu").contiguous() for t in out)
