@@ -207,14 +207,15 @@ def test_bench_serve_starts_our_server_with_the_prefill_and_prefetch_flags():
     serve.add_parser(p.add_subparsers())
     args = p.parse_args(["serve", "--suite", "prefill", "-m", "M", "--compare", "resident,cache",
                          "--prefill-stretch", "1024", "--prefill-mem", "1GiB", "--prefetch", "on",
-                         "--prefetch-width", "1.5", "--cache-fraction", "0.25", "--activations", "q8"])
+                         "--prefetch-width", "1.5", "--prefetch-min-prob", "0.55", "--cache-fraction", "0.25",
+                         "--activations", "q8"])
     argv = serve.serve_argv(args, "cache", 8080)
     # what the server parses from that command line
     server = Parser(prog="expertcache")
     register(server.add_subparsers())
     got = server.parse_args(argv[argv.index("serve"):])
-    assert (got.prefill_stretch, got.prefill_mem, got.prefetch, got.prefetch_width, got.cache_fraction,
-            got.activations) == (1024, 2**30, "on", 1.5, 0.25, "q8")
+    assert (got.prefill_stretch, got.prefill_mem, got.prefetch, got.prefetch_width, got.prefetch_min_prob,
+            got.cache_fraction, got.activations) == (1024, 2**30, "on", 1.5, 0.55, 0.25, "q8")
     resident = server.parse_args(serve.serve_argv(args, "resident", 8080)[3:])
     assert resident.prefill_stretch == 1024 and resident.cache_fraction is None
 
