@@ -3,6 +3,7 @@ save/load round trip, rejects malformed files; and the simulator replaying a rec
 exactly what the runtime cache counted."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -402,3 +403,20 @@ def test_command_line_record_simulate_stats(ckpt, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["trace", "simulate", str(out), "--prefetch-width", "-1"])
     assert e.value.code == 2 and "must be in [0, 64]" in capsys.readouterr().err
+
+
+def test_a_floor_on_a_trace_without_probabilities_is_one_line_before_anything_runs(tmp_path, capsys):
+    # A version 2 trace (predictions without probabilities) cannot be replayed at a floor: `trace
+    # simulate`, `trace stats` and `bench cache` say so in one line, bench cache before its first run.
+    import expertcache
+
+    model = str(Path(expertcache.__file__).parent / "assets" / "tiny-qwen3-moe")
+    v2 = _write2(tmp_path / "v2.npz")
+    for argv in (["trace", "simulate", str(v2), "--prefetch", "--prefetch-min-prob", "0.5"],
+                 ["trace", "stats", str(v2), "--prefetch-min-prob", "0.5"],
+                 ["bench", "cache", "-m", model, "--stores", "ram", "--route-trace", str(v2), "--prefetch", "on",
+                  "--prefetch-min-prob", "0.5"]):
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "needs a trace with the predictions' probabilities" in err, (argv, err)

@@ -302,6 +302,10 @@ def cmd_bench_cache(args) -> int:
     for s in args.stores.split(","):
         if s not in ("ram", "mmap", "disk"):
             raise ExpertCacheError(f"unknown store {s!r} in --stores: expected ram, mmap, disk")
+    if args.route_trace:  # a bad trace, or a floor it cannot replay, fails before any configuration runs
+        from .trace import load_trace
+
+        load_trace(args.route_trace).predictions(args.prefetch_width, args.prefetch_min_prob)
     rows = []
     specs = configurations(args)
     for spec in tqdm(specs, desc="bench cache", unit="config", file=sys.stderr):
