@@ -327,3 +327,17 @@ def test_fit_used_refuses_what_memory_cannot_hold(tmp_path, capsys, monkeypatch)
     # 7,373 tokens fitted x 4 layers x (256 + 4) x 2 bytes = 14.6 MiB > 0.8 x 10 MiB
     assert_one_line_error(code, err, "7,373 tokens", "15 MiB of inputs", "10 MiB are free", "give fewer tokens (-n)")
     assert not (tmp_path / "u.safetensors").exists()
+
+
+def test_training_is_seeded_and_leaves_the_callers_random_state():
+    x = torch.randn(200, 6, generator=torch.Generator().manual_seed(0))
+    target = (x[:, :4] > 0).float()
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    first = _train_used(x, target, 8, 2, 1e-2, 50, torch.Generator().manual_seed(0), lambda: None)
+    assert torch.equal(torch.rand(3), want)  # the global generator did not move
+    again = _train_used(x, target, 8, 2, 1e-2, 50, torch.Generator().manual_seed(0), lambda: None)
+    other = _train_used(x, target, 8, 2, 1e-2, 50, torch.Generator().manual_seed(1), lambda: None)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], other[0])
