@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from .config import CACHE_MODES, DEFAULT_POLICY, POLICY_NAMES, PREFETCH_MODES, STORES, CacheConfig
+from .config import CACHE_MODES, DEFAULT_POLICY, POLICY_NAMES, PREFETCH_MODES, STORES, CacheConfig, check_min_prob
+from .errors import ExpertCacheError
 from .kernels import ACTIVATIONS_CHOICES, KERNELS
 
 
@@ -39,7 +40,6 @@ def nonneg_int(text: str) -> int:
 def size_bytes(text: str) -> int:
     """A positive size: '2GiB', '300MB' or a number of bytes."""
     from .config import parse_size
-    from .errors import ExpertCacheError
 
     try:
         v = parse_size(text)
@@ -129,12 +129,11 @@ def prefetch_width(text: str) -> float:
 def prefetch_min_prob(text: str) -> float:
     """`--prefetch-min-prob P`: a predicted expert counts only if the predictor gives it at least P."""
     try:
-        v = float(text)
+        return check_min_prob(float(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid number {text!r}: expected a probability such as 0.5") from None
-    if not 0 <= v < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be a probability in [0, 1)")
-    return v
+    except ExpertCacheError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_prefetch_width_flag(p) -> None:

@@ -172,8 +172,7 @@ class PredictionReplay:
 
         h = trace.header
         self.n = width_experts(width, h.top_k, h.pred_width)
-        if min_prob > 0 and trace.pred_prob is None:
-            trace.predictions(width, min_prob)  # the one-line error of a trace without probabilities
+        trace.check_floor(min_prob)
         self.min_prob = min_prob
         starts = np.concatenate([[0], np.cumsum(trace.tokens)])
         self.pred, self.prob, self.has = {}, {}, {}
@@ -305,7 +304,7 @@ def cmd_bench_cache(args) -> int:
     if args.route_trace:  # a bad trace, or a floor it cannot replay, fails before any configuration runs
         from .trace import load_trace
 
-        load_trace(args.route_trace).predictions(args.prefetch_width, args.prefetch_min_prob)
+        load_trace(args.route_trace).check_floor(args.prefetch_min_prob)
     rows = []
     specs = configurations(args)
     for spec in tqdm(specs, desc="bench cache", unit="config", file=sys.stderr):

@@ -89,15 +89,19 @@ class Trace:
         out: list[list[int] | None] = [None] * self.num_ops
         if n == 0 or not self.has_predictions:
             return out
-        if min_prob > 0 and self.pred_prob is None:
-            raise ExpertCacheError("--prefetch-min-prob needs a trace with the predictions' probabilities "
-                                   "(format version 3, recorded by this expertcache's `trace record`)")
+        self.check_floor(min_prob)
         ends = np.cumsum(self.tokens)
         for i in np.flatnonzero(self.predicted):
             rows = slice(ends[i] - self.tokens[i], ends[i])
             probs = self.pred_prob[rows, :n].tolist() if min_prob > 0 else None
             out[i] = op_prediction(self.pred[rows, :n].tolist(), n, probs, min_prob) or None
         return out
+
+    def check_floor(self, min_prob: float) -> None:
+        """A one-line error unless the trace can be replayed at probability floor `min_prob`."""
+        if min_prob > 0 and self.pred_prob is None:
+            raise ExpertCacheError("--prefetch-min-prob needs a trace with the predictions' probabilities "
+                                   "(format version 3, recorded by this expertcache's `trace record`)")
 
     def decode_tokens(self) -> int:
         """Tokens decoded: decode ops of the first MoE layer (one per generated token after the first)."""
@@ -160,7 +164,7 @@ class TraceRecorder:
         # synchronisation here (a GPU run is not slowed op by op).
         self._layers.append(layer)
         self._ids.append(routing.ids.detach().clone())
-        self._pred.append(self.predictor.take_scored(layer) if self.predictor is not None else None)
+        self._pred.append(self.predictor.take(layer) if self.predictor is not None else None)
         self._phase.append(0)
 
     def __len__(self) -> int:
@@ -343,7 +347,7 @@ def load_trace(path: str | Path) -> Trace:
                 raise ExpertCacheError(f"{name}: not an expertcache trace: missing {', '.join(missing)}")
             raw = z["header"]
             arrays = {k: z[k] for k in ARRAYS + PRED_ARRAYS if k in z.files}
-            prob = z[PROB_ARRAY] if version_of(raw) >= 3 and PROB_ARRAY in z.files else None
+            prob = z[PROB_ARRAY] if PROB_ARRAY in z.files else None
     except FileNotFoundError:
         raise ExpertCacheError(f"cannot read trace {name!r}: no such file") from None
     except IsADirectoryError:
@@ -352,6 +356,8 @@ def load_trace(path: str | Path) -> Trace:
         raise ExpertCacheError(f"{name}: not an expertcache trace (a .npz file expected): "
                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     header, version = _parse_header(raw, name)
+    if version < 3:
+        prob = None  # not part of the format before version 3
     if version >= 2:
         missing = [k for k in PRED_ARRAYS if k not in arrays]
         if missing:
@@ -376,15 +382,6 @@ def _pred(trace: Trace) -> np.ndarray:
 
 def _predicted(trace: Trace) -> np.ndarray:
     return (trace.predicted if trace.predicted is not None else np.zeros(trace.num_ops)).astype(np.uint8)
-
-
-def version_of(raw: np.ndarray) -> int:
-    """The version a trace header claims (0 where it cannot be read; `_parse_header` says why)."""
-    try:
-        v = json.loads(str(raw[()])).get("version")
-    except (json.JSONDecodeError, TypeError, IndexError, ValueError, AttributeError):
-        return 0
-    return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
 def _parse_header(raw: np.ndarray, name: str) -> tuple[TraceHeader, int]:

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ExpertCacheError
-from .predict import RouterPredictor, embedded, next_moe_layers, rank_experts, ranked_with, router_input
+from .predict import RouterPredictor, embedded, next_moe_layers, rank_experts, router_input
 
 FORMAT = "expertcache-predictor"
 VERSION = 2
@@ -87,7 +87,9 @@ class LinearMaps:
         return torch.sigmoid(scores) if self.output == "used" else torch.softmax(scores, dim=-1)
 
     def to(self, device) -> LinearMaps:
-        move = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
+        def move(maps: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+            return {k: v.to(device) for k, v in maps.items()}
+
         return LinearMaps(move(self.weight), move(self.bias), self.routers, self.meta, self.name, self.output,
                           move(self.hidden_weight), move(self.hidden_bias))
 
@@ -174,21 +176,21 @@ class LinearMaps:
 class LinearPredictor(RouterPredictor):
     """`RouterPredictor` with the fitted maps in place of the routers."""
 
-    def __init__(self, decoder, width: int, maps: LinearMaps):
-        super().__init__(decoder, width)
+    def __init__(self, decoder, width: int, maps: LinearMaps, scored: bool = True):
+        super().__init__(decoder, width, scored)
         maps.check(decoder)
         self.name = f"linear:{maps.name}"
         self.maps = maps.to(decoder.device)
 
-    def rank(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rank(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = router_input(self.decoder, layer, h).float()  # [T, D]
-        scores = self.maps.scores(layer, x)  # [T, E]
-        return ranked_with(scores, self.maps.probabilities(scores), self.width)
+        return self._ranked(self.maps.scores(layer, x), self.maps.probabilities)
 
 
-def make_predictor(decoder, width: int, maps: LinearMaps | None = None) -> RouterPredictor:
-    """The fitted predictor where maps are given, the router predictor otherwise."""
-    return RouterPredictor(decoder, width) if maps is None else LinearPredictor(decoder, width, maps)
+def make_predictor(decoder, width: int, maps: LinearMaps | None = None, scored: bool = True) -> RouterPredictor:
+    """The fitted predictor where maps are given, the router predictor otherwise (`scored`: with
+    each guess's probability)."""
+    return RouterPredictor(decoder, width, scored) if maps is None else LinearPredictor(decoder, width, maps, scored)
 
 
 # ---- fitting -----------------------------------------------------------------------------------
@@ -268,9 +270,11 @@ def _run_over(model, ids: list[int], n_fit: int, chunk: int, on_piece: Callable[
         net.residual_hook, net.forward_hook = hooks
 
 
-def _report(model, maps: LinearMaps, held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], report: dict) -> dict:
-    """Each layer's recall at width 1.0 on the held-out tokens, the router's beside the maps'; for
-    maps of use, also recall and precision of the experts they give a probability of 0.5 or more."""
+def _finish(model, maps: LinearMaps, held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
+            report: dict) -> tuple[LinearMaps, dict]:
+    """The report's `layers`: each layer's recall at width 1.0 on the held-out tokens, the router's
+    beside the maps'; for maps of use, also recall and precision of the experts they give a
+    probability of 0.5 or more. The maps' metadata then records how they were fitted."""
     K = model.cfg.top_k
     for layer, pieces in held.items():
         if not pieces:
@@ -286,7 +290,9 @@ def _report(model, maps: LinearMaps, held: dict[int, list[tuple[torch.Tensor, to
             row |= {"recall_p50": round(right / used.numel(), 4),
                     "precision_p50": round(right / max(1, int(chosen.sum())), 4)}
         report["layers"][str(layer)] = row
-    return report
+    maps.meta = {"model": str(model.path), **{k: v for k, v in report.items() if k != "layers"},
+                 "held_out_recall": report["layers"]}
+    return maps, report
 
 
 def fit(model, token_ids: Sequence[int], chunk: int = 1024, ridge: float = 1.0, held_out: float = 0.1,
@@ -319,10 +325,7 @@ def fit(model, token_ids: Sequence[int], chunk: int = 1024, ridge: float = 1.0, 
         weight[layer], bias[layer] = a[:D].T.contiguous(), a[D].contiguous()
     report = {"fit_tokens": n_fit, "held_out_tokens": n_eval, "ridge": ridge, "chunk": chunk, "layers": {}}
     maps = LinearMaps(weight, bias, router_checksum(model.net))
-    _report(model, maps, held, report)
-    maps.meta = {"model": str(model.path), **{k: v for k, v in report.items() if k != "layers"},
-                 "held_out_recall": report["layers"]}
-    return maps, report
+    return _finish(model, maps, held, report)
 
 
 def fit_used(model, token_ids: Sequence[int], chunk: int = 1024, hidden: int = 512, epochs: int = 30,
@@ -380,10 +383,7 @@ def fit_used(model, token_ids: Sequence[int], chunk: int = 1024, hidden: int = 5
               "epochs": epochs, "lr": lr, "batch": batch, "seed": seed, "chunk": chunk, "layers": {}}
     maps = LinearMaps(weight, bias, router_checksum(model.net), output="used", hidden_weight=hidden_weight,
                       hidden_bias=hidden_bias)
-    _report(model, maps, held, report)
-    maps.meta = {"model": str(model.path), **{k: v for k, v in report.items() if k != "layers"},
-                 "held_out_recall": report["layers"]}
-    return maps, report
+    return _finish(model, maps, held, report)
 
 
 def _free_memory() -> int | None:

@@ -5,10 +5,11 @@ decoder's `residual_hook`), it applies the router of the next MoE layer l' (with
 router-input normalisation) to the residual stream h and ranks l''s experts for each token. The
 residual changes little from one layer to the next, so this ranks l''s experts much as l''s router
 will. The first MoE layer of a forward is predicted from the tokens' embeddings alone
-(`predict_first`, at the start of the forward, once the tokens are known). Each ranked expert
-comes with the probability the predictor gives it (the router's softmax here), rounded to float16
-as a trace stores it, so that `--prefetch-min-prob` drops the same guesses in the runtime and in a
-replay. Predicting only reads the hidden state: outputs are the same with and without it.
+(`predict_first`, at the start of the forward, once the tokens are known). Where asked
+(`scored`: a trace recorder, or `--prefetch-min-prob`), each ranked expert comes with the
+probability the predictor gives it (the router's softmax here), rounded to float16 as a trace
+stores it, so that `--prefetch-min-prob` drops the same guesses in the runtime and in a replay.
+Predicting only reads the hidden state: outputs are the same with and without it.
 
 T = tokens, D = hidden, E = experts per layer, P = experts ranked per token.
 """
@@ -65,39 +66,40 @@ def rank_experts(probs: torch.Tensor, n: int) -> torch.Tensor:
     return torch.topk(probs, n, dim=-1).indices  # [T, n]
 
 
-def ranked_with(scores: torch.Tensor, probs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The n best experts of each token by `scores` [T, E] (best first, [T, n] ids) and their
-    `probs` [T, E] gathered, rounded to float16 ([T, n]): what a trace records and
-    `--prefetch-min-prob` compares."""
-    ids = rank_experts(scores, n)
-    return ids, probs.gather(-1, ids).to(torch.float16)
-
-
 class RouterPredictor:
     """The default predictor. Attach it as the decoder's `residual_hook` and call `predict_first`
     with each forward's tokens before the forward; `take(layer)` then hands out the prediction for
-    the op of `layer` about to run: [T, P] expert ids, each token's P best first, or None when that
-    layer was not predicted in this forward (`take_scored`: with their probabilities, [T, P]
-    float16).
+    the op of `layer` about to run: ([T, P] expert ids, each token's P best first; with `scored`,
+    their probabilities [T, P] float16, else None), or None when that layer was not predicted in
+    this forward. The probabilities cost a gather per layer and token, so only who compares or
+    records them asks for them.
     """
 
     name = "router"
 
-    def __init__(self, decoder, width: int):
+    def __init__(self, decoder, width: int, scored: bool = True):
         moe = list(decoder.cfg.moe_layers)
         E = decoder.cfg.num_experts
         if not isinstance(width, int) or not 1 <= width <= E:
             raise ExpertCacheError(f"prediction width must be an integer in [1, {E}] experts, got {width!r}")
-        self.decoder, self.width = decoder, width
+        self.decoder, self.width, self.scored = decoder, width, scored
         self.first = moe[0]
         self.next = next_moe_layers(moe)
-        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def rank(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rank(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """MoE layer `layer`'s experts ranked for the residual h [T, D] of an earlier layer (or the
-        embeddings): ([T, width] ids, best first; their probabilities [T, width] float16)."""
-        probs = router_probs(self.decoder, layer, h)
-        return ranked_with(probs, probs, self.width)
+        embeddings): ([T, width] ids, best first; their probabilities [T, width] float16 or None)."""
+        return self._ranked(router_probs(self.decoder, layer, h))
+
+    def _ranked(self, scores: torch.Tensor, probabilities=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The `width` best experts of each token by `scores` [T, E]; with `scored`, their
+        probabilities (`probabilities(scores)`, or the scores themselves), gathered, in float16."""
+        ids = rank_experts(scores, self.width)
+        if not self.scored:
+            return ids, None
+        probs = scores if probabilities is None else probabilities(scores)
+        return ids, probs.gather(-1, ids).to(torch.float16)
 
     @torch.inference_mode()
     def __call__(self, layer: int, h: torch.Tensor) -> None:
@@ -111,22 +113,12 @@ class RouterPredictor:
         """Rank the first MoE layer's experts for tokens [T] from their embeddings alone."""
         self._pending[self.first] = self.rank(self.first, embedded(self.decoder, tokens))
 
-    def take(self, layer: int) -> torch.Tensor | None:
-        got = self._pending.pop(layer, None)
-        return None if got is None else got[0]
-
-    def take_scored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`take` with the probabilities: (ids [T, P], probabilities [T, P] float16)."""
+    def take(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         return self._pending.pop(layer, None)
 
-    def peek_scored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The prediction `take_scored` would hand out, left in place."""
-        return self._pending.get(layer)
-
-    def peek(self, layer: int) -> torch.Tensor | None:
+    def peek(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The prediction `take` would hand out, left in place."""
-        got = self._pending.get(layer)
-        return None if got is None else got[0]
+        return self._pending.get(layer)
 
     def clear(self) -> None:
         self._pending.clear()
@@ -177,7 +169,7 @@ class NextOpPredictions:
         self.decoder, self.plan = decoder, plan
         self.min_prob = check_min_prob(min_prob)
         self.n = width_experts(width, cfg.top_k, cfg.num_experts)
-        self.own = make_predictor(decoder, self.n, maps) if self.n else None
+        self.own = make_predictor(decoder, self.n, maps, scored=self.min_prob > 0) if self.n else None
         self.first = cfg.moe_layers[0]
         self.next = next_moe_layers(cfg.moe_layers)
 
@@ -192,7 +184,7 @@ class NextOpPredictions:
         return hook if isinstance(hook, RouterPredictor) and hook.decoder is self.decoder else None
 
     def _experts(self, source: RouterPredictor, layer: int) -> list[int] | None:
-        got = source.peek_scored(layer)  # [T, P] ids and probabilities
+        got = source.peek(layer)  # [T, P] ids and probabilities
         if got is None or not self.n:
             return None
         ranked, probs = got
