@@ -73,6 +73,23 @@ def _fail_reads_on_the_worker(store) -> list[int]:
     return failed
 
 
+def _worker_starts_each_wave(monkeypatch) -> None:
+    """Hold each wave's submitted demand copies until the worker has started them. Otherwise, on
+    a loaded machine, the op's thread can finish the wave's ready experts and take the job over
+    before the worker is scheduled, and a test of what the worker reads would depend on timing."""
+    from expertcache.tiers.transfer import QUEUED, CopyWorker
+
+    submit = CopyWorker.submit
+
+    def held(self, job, first=False):
+        submit(self, job, first)
+        deadline = time.monotonic() + 5
+        while job.wave is not None and job.state == QUEUED and time.monotonic() < deadline:
+            time.sleep(0.0005)
+
+    monkeypatch.setattr(CopyWorker, "submit", held)
+
+
 def _slots_hold_what_they_claim(cache) -> int:
     """Every resident key's slot holds that expert's bytes as the slow tier gives them."""
     cache.quiesce()
@@ -207,9 +224,10 @@ def test_failed_prefetch_leaves_its_slots_empty(models):
 
 
 @pytest.mark.parametrize("name", ["bundled", "qwen2"])
-def test_disk_store_reads_a_waves_misses_on_the_worker(models, reference, name):
+def test_disk_store_reads_a_waves_misses_on_the_worker(models, reference, name, monkeypatch):
     # Prefetch off: the worker runs for the disk store alone, and its reads are waves' demand
     # copies. The counters stay the simulator's, the logits the all-resident ones.
+    _worker_starts_each_wave(monkeypatch)
     model = _load(models[name], experts=12, store="disk", prefetch="off")
     readers = []
     model.experts.store.read_hook = lambda _n: readers.append(threading.current_thread().name)
@@ -241,7 +259,8 @@ def test_ram_store_splits_waves_where_a_core_is_free(models, reference, monkeypa
     _slots_hold_what_they_claim(model.experts)
 
 
-def test_a_demand_copy_failing_on_the_worker_is_made_again(models, reference):
+def test_a_demand_copy_failing_on_the_worker_is_made_again(models, reference, monkeypatch):
+    _worker_starts_each_wave(monkeypatch)
     model = _load(models["qwen2"], experts=10, store="disk", prefetch="off")
     failed = _fail_reads_on_the_worker(model.experts.store)
     _check(model, reference["qwen2"])
