@@ -231,6 +231,26 @@ def test_a_prefetch_never_evicts_the_op_in_flight():
     assert res.plan_prefetch(1, []).experts == []
 
 
+def test_a_prefetch_never_evicts_its_own_resident_guesses():
+    res = lru(3)
+    for layer, e in ((1, 5), (1, 6), (0, 0)):
+        res.plan(layer, [e])  # LRU order (1,5) (1,6) (0,0); (0,0) is the op in flight
+    # 7 needs a slot; the least recently used key, (1,5), is a guess of the same prefetch: it stays,
+    # and (1,6) goes instead
+    pf = res.plan_prefetch(1, [7, 5])
+    assert (pf.experts, pf.evicted, pf.dropped) == ([7], [K(1, 6)], [])
+    assert pf.pinned == [K(0, 0), K(1, 5)]
+    p = res.plan(1, [5, 7])
+    assert (p.hits, p.misses, p.prefetched) == ([5, 7], [], [7])
+    # with every other key pinned, a guess that finds no room is dropped rather than evict a guess
+    res = lru(2)
+    res.plan(1, [5])
+    res.plan(0, [0])
+    pf = res.plan_prefetch(1, [5, 6])
+    assert (pf.experts, pf.evicted, pf.dropped) == ([], [], [6])
+    assert res.resident_keys() == [K(0, 0), K(1, 5)]
+
+
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_invariants_under_random_ops_with_prefetch(name):
     rng = random.Random("pf" + name)
@@ -252,7 +272,8 @@ def test_invariants_under_random_ops_with_prefetch(name):
         predicted = rng.sample(range(8), rng.randint(0, 6))
         before = set(res.resident_keys())
         pf = res.plan_prefetch(nxt, predicted)
-        assert not set(pf.evicted) & in_flight and set(pf.pinned) == in_flight
+        guessed = {K(nxt, e) for e in predicted} & before
+        assert not set(pf.evicted) & (in_flight | guessed) and set(pf.pinned) == in_flight | guessed
         assert set(pf.wasted) == set(pf.evicted) & marked
         planned = {K(nxt, e) for e in pf.experts}
         assert not planned & before and planned | {K(nxt, e) for e in pf.dropped} == \

@@ -64,7 +64,7 @@ class PrefetchPlan:
     evicted: list[ExpertKey] = field(default_factory=list)  # in the order the policy chose them
     wasted: list[ExpertKey] = field(default_factory=list)  # evicted prefetches that no op had used
     dropped: list[int] = field(default_factory=list)  # predicted, not resident, no room: not planned
-    pinned: list[ExpertKey] = field(default_factory=list)  # what it could not evict (the op in flight)
+    pinned: list[ExpertKey] = field(default_factory=list)  # what it could not evict: the op in flight, its own resident guesses
 
 
 class Residency:
@@ -85,8 +85,10 @@ class Residency:
     Prefetch semantics (`plan_prefetch`; exact, the runtime follows them):
     - a prefetch is planned after an op's `plan`, for a later op's predicted experts; its keys
       become resident at once in the bookkeeping (slot reserved), whether or not the copy ran;
-    - it pins the keys of the op last planned that are resident (the op in flight) and never
-      evicts them; predicted keys already resident cost nothing and change nothing;
+    - it pins the keys of the op last planned that are resident (the op in flight) and the
+      predicted keys already resident, and never evicts them: a prefetch does not drop one of its
+      own guesses to make room for another; predicted keys already resident cost no copy and do
+      not reach the policy;
     - it plans the predicted keys in the caller's priority order as long as a slot is free or an
       unpinned key can be evicted, then places them like a wave's fills (free slots first, id runs
       into slot runs, evictions by the policy before the inserts, inserts in id order); the policy
@@ -187,8 +189,9 @@ class Residency:
         """Reserve slots for `experts` of `layer` (distinct ids, best first), predicted for a later
         op; see the class for the semantics."""
         experts = _check_prefetch(layer, experts)
-        pinned = {k for k in self._last_op if k in self._slot_of}
         mask = self._masks.get(layer, 0)
+        pinned = {k for k in self._last_op if k in self._slot_of}
+        pinned.update(ExpertKey(layer, e) for e in experts if mask >> e & 1)
         wanted = [e for e in experts if not mask >> e & 1]
         room = len(self._free) + len(self._slot_of) - len(pinned)
         take, dropped = sorted(wanted[:room]), wanted[room:]
