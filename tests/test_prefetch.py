@@ -408,6 +408,11 @@ def test_prefetch_config_and_where_auto_turns_it_on():
           for dev in ("cpu", "cuda")}
     assert {k for k, v in on.items() if v} == {("cache", "ram", "cuda"), ("cache", "mmap", "cuda"),
                                                ("cache", "disk", "cuda")}
+    # On a CPU, `auto` turns it on only for direct reads steered by fitted maps; in cache mode.
+    fitted = {mode: CacheConfig(mode=mode, store="disk", experts=4).prefetch_active("cpu", True)
+              for mode in ("cache", "staging", "resident")}
+    assert fitted == {"cache": True, "staging": False, "resident": False}
+    assert not CacheConfig(experts=4, store="disk", prefetch="off").prefetch_active("cpu", True)
     assert CacheConfig(experts=4, prefetch="on").prefetch_active("cpu")
     assert not CacheConfig(experts=4, store="disk", prefetch="off").prefetch_active("cpu")
     assert not CacheConfig(experts=4, prefetch="on", prefetch_width=0).prefetch_active("cpu")
@@ -468,6 +473,64 @@ def test_prefetch_is_off_in_other_modes_and_by_default_on_a_cpu(models):
         model = expertcache.load(models["qwen2"], cache=cache)
         model.generate(PROMPT, max_tokens=3, ignore_eos=True)
         assert model.telemetry()["total"]["prefetch_issued"] == 0 and model.net.residual_hook is None
+
+
+def test_auto_prefetches_direct_disk_reads_steered_by_fitted_maps(tmp_path, monkeypatch, capsys):
+    import json
+    import os
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from expertcache.tiers.store import DiskStore
+
+    assets = Path(expertcache.__file__).parent / "assets"
+    maps = str(assets / "tiny-qwen3-moe.predictor.safetensors")
+    open_direct = DiskStore._open_direct
+
+    def direct_or_stand_in(store):  # a file system without O_DIRECT: stand-in descriptors
+        return open_direct(store) or {p: os.open(p, os.O_RDONLY) for p in store._fds}
+
+    monkeypatch.setattr(DiskStore, "_open_direct", direct_or_stand_in)
+    packed = pack(assets / "tiny-qwen3-moe", tmp_path / "packed", progress=False)  # experts on pages
+    want = expertcache.load(packed, cache=CacheConfig(mode="resident")).logits(IDS)
+
+    def load(path, **cache):
+        return expertcache.load(path, cache=CacheConfig(fraction=0.25, **cache))
+
+    model = load(packed, store="disk", predictor=maps)
+    assert model.experts.store.reads_direct and model.experts.prefetching
+    assert torch.equal(model.logits(IDS), want) and model.telemetry()["total"]["prefetch_issued"] > 0
+    assert model.experts.predict.own.name.startswith("linear:")
+    # Not with the routers predicting, another store, prefetch off, or experts off page boundaries
+    # (the bundled checkpoint as saved: its reads are buffered).
+    for path, cache in ((packed, {"store": "disk"}), (packed, {"store": "mmap", "predictor": maps}),
+                        (packed, {"store": "ram", "predictor": maps}),
+                        (packed, {"store": "disk", "predictor": maps, "prefetch": "off"}),
+                        (assets / "tiny-qwen3-moe", {"store": "disk", "predictor": maps})):
+        other = load(path, **cache)
+        assert not other.experts.prefetching and other.net.residual_hook is None, cache
+        assert torch.equal(other.logits(IDS), want)
+        assert other.telemetry()["total"]["prefetch_issued"] == 0
+    # A reload whose routers no longer fit the maps: the routers would predict, so auto turns it off.
+    path = shutil.copytree(packed, tmp_path / "changed")
+    model = load(path, store="disk", predictor=maps)
+    assert model.experts.prefetching
+    # One router's rows reversed in place of its bytes, the rest of the layout kept (experts on
+    # pages), the file replaced under its name.
+    f = next(f for f in path.glob("*.safetensors") if any(k.endswith("mlp.gate.weight") for k in load_file(f)))
+    name = next(k for k in load_file(f) if k.endswith("mlp.gate.weight"))
+    data = bytearray(f.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    start, end = (8 + n + o for o in json.loads(data[8: 8 + n])[name]["data_offsets"])
+    data[start:end] = load_file(f)[name].flip(0).contiguous().view(torch.uint8).numpy().tobytes()
+    (tmp_path / "new").write_bytes(data)
+    os.replace(tmp_path / "new", f)
+    model.logits(IDS)
+    assert model.experts.store.reads_direct
+    assert "the routers predict from now on" in capsys.readouterr().err
+    assert not model.experts.prefetching and model.experts.predict is None and model.net.residual_hook is None
 
 
 def test_resize_and_reload_keep_prefetch_on_the_new_weights(models, reference, tmp_path):

@@ -233,8 +233,8 @@ class CacheConfig:
     the mode from the other fields: `cache` when a size, another store or `verify` is given,
     `resident` otherwise. `trace_every` > 0 prints a counter line on stderr every that many ops.
     `prefetch` (`cache` mode only): load the experts predicted for the next MoE op while the
-    current one computes; `auto` turns it on where the copies do not compete with compute (a
-    GPU's copy engine), see `prefetch_active`. `prefetch_width`: experts predicted per token, as
+    current one computes; `auto` turns it on where it was measured to pay (a GPU's copy engine;
+    on a CPU, direct disk reads steered by a fitted predictor), see `prefetch_active`. `prefetch_width`: experts predicted per token, as
     a multiple of top-k (0 predicts nothing); `prefetch_min_prob`: of those, only the experts the
     predictor gives at least this probability. `predictor`: a file of fitted maps for this model
     (`expertcache trace fit-predictor`) that predicts in place of the next layer's router.
@@ -286,17 +286,19 @@ class CacheConfig:
         if self.predictor is not None and not isinstance(self.predictor, (str, os.PathLike)):
             raise ExpertCacheError(f"predictor {self.predictor!r} must be the path of a fitted predictor file")
 
-    def prefetch_active(self, device_type: str) -> bool:
+    def prefetch_active(self, device_type: str, direct_and_fitted: bool = False) -> bool:
         """Whether an op's copies for the next op's prediction are made early: only in `cache` mode,
-        at a width > 0; `auto` only on a GPU, whose copy engine does not take compute's cores. On a
-        CPU a store's copy mostly goes through the cores that compute (RAM to RAM; a disk read
-        through the page cache, where it is not made with O_DIRECT), and the mispredicted experts
-        add reads: on 2 cores the router predictor's prefetch paid only where decode left a core
-        free, even with direct reads (docs/benchmarks.md), and by default decode uses every core,
-        so `auto` leaves it off there and `on` turns it on."""
+        at a width > 0; `auto` on a GPU, whose copy engine does not take compute's cores, and on a
+        CPU only where `direct_and_fitted`: the slow tier is read with O_DIRECT (the disk's DMA
+        writes the slots, no core copies the bytes) and a fitted predictor names the experts.
+        Elsewhere on a CPU a copy goes through the cores that compute (RAM to RAM, or out of the
+        page cache) and the router predictor's wrong guesses add reads: on 2 cores its prefetch
+        paid only where decode left a core free, while with fitted maps and direct reads it paid
+        at one thread and two (docs/benchmarks.md, "Prefetch in the runtime"). `on` turns it on
+        anywhere."""
         if self.mode != "cache" or self.prefetch == "off" or self.prefetch_width == 0:
             return False
-        return self.prefetch == "on" or device_type == "cuda"
+        return self.prefetch == "on" or device_type == "cuda" or direct_and_fitted
 
     @property
     def sized(self) -> bool:

@@ -172,10 +172,14 @@ class Model:
             if self.net.forward_hook == ours.begin:
                 self.net.forward_hook = None
             self.experts.predict = None
+        # Whether prefetch is on can depend on the maps (`auto` on a CPU): check them first, once.
+        self.experts.fitted_predictor = self.predictor_maps is not None
+        maps = self._maps_for(self.net) if self.experts.prefetching else None
+        self.experts.fitted_predictor = maps is not None
         if self.experts.prefetching:
             config = self.experts.config
             predictions = NextOpPredictions(self.net, config.prefetch_width, self.experts.prefetch,
-                                            self._maps_for(self.net), config.prefetch_min_prob)
+                                            maps, config.prefetch_min_prob)
             predictions.attach(residual=residual)
             self.experts.predict = predictions
 

@@ -91,7 +91,7 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-verify", action="store_true", help="checksum every slot on fill and read")
     g.add_argument("--prefetch", choices=PREFETCH_MODES, default="auto",
                    help="load the experts predicted for the next MoE op while this one computes (cache mode): "
-                        "auto (default: on with a GPU only), on, off")
+                        "auto (default: on with a GPU, and on a CPU for direct disk reads with a fitted --predictor), on, off")
     add_prefetch_width_flag(g)
     g.add_argument("--predictor", metavar="FILE",
                    help="predict the next layer's experts with maps fitted for this model "

@@ -73,6 +73,7 @@ class ExpertCache:
         self.telemetry_ = Telemetry(self.expert_bytes, config.trace_every)
         self._pending_invalid: dict[int, set[int]] = {}
         self.predict: Predict | None = None  # set by the engine when prefetch is active
+        self.fitted_predictor = False  # set by the engine: fitted maps, not the routers, predict
         self._worker: CopyWorker | None = None
         self._allocate(self._capacity_for(config))
 
@@ -324,7 +325,7 @@ class ExpertCache:
     @property
     def prefetching(self) -> bool:
         """Whether predicted experts are copied early (`CacheConfig.prefetch_active`)."""
-        return self.config.prefetch_active(self.device.type)
+        return self.config.prefetch_active(self.device.type, self.fitted_predictor and self.store.reads_direct)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Plan `experts` of `layer` (distinct ids, best first), predicted for the next op, now

@@ -120,6 +120,8 @@ class ExpertStore(ABC):
     # Whether a copy mostly waits on a device (a disk read) rather than keeping a core busy: the
     # cache then reads a wave's misses on its worker while the wave's hits compute.
     waits_on_device = False
+    # Whether copies are reads the device makes into the slots (O_DIRECT), not a core's copy.
+    reads_direct = False
 
     def __init__(self, source: ExpertSource, dtype: torch.dtype, tiler: Tiler | None = None):
         self.source, self.dtype, self.tiler = source, dtype, tiler
@@ -192,6 +194,7 @@ class DiskStore(ExpertStore):
         super().__init__(source, dtype, tiler)
         self._fds = {p: os.open(p, os.O_RDONLY) for p in source.files}
         self._direct_fds = self._open_direct() if self.drop_cache and self.direct else {}
+        self._pages: bool | None = None  # `reads_direct`'s layout check, made once
         self.reads = 0
         self.direct_reads = 0  # of `reads`, those made with O_DIRECT
         # Called with the running count after each read; tests use it to change the file at an
@@ -204,6 +207,20 @@ class DiskStore(ExpertStore):
     def ranges(self, layer: int, first: int, n: int) -> int:
         parts = self.source.run_parts(layer, first, n)
         return len(parts) if parts is not None else 1
+
+    @property
+    def reads_direct(self) -> bool:
+        """Whether every expert is read with O_DIRECT straight into its slot: every file opened
+        with it, every expert's byte ranges and the slots on page boundaries, and the slots holding
+        the file's bytes as they are (no conversion or tiling on a core after the read)."""
+        if not self._direct_fds or len(self._direct_fds) != len(self._fds) or self.slot_bytes % DIRECT_ALIGN:
+            return False
+        if self._pages is None:
+            src = self.source
+            self._pages = all(self.src_formats[layer] == self.formats[layer] for layer in src.layers) and all(
+                seg.offset % DIRECT_ALIGN == 0 and seg.nbytes % DIRECT_ALIGN == 0
+                for layer in src.layers for e in range(src.num_experts) for seg in src.segments(layer, e))
+        return self._pages
 
     def _open_direct(self) -> dict[Path, int]:
         """A second descriptor per file, opened with O_DIRECT, where the file system allows it."""
