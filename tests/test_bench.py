@@ -89,6 +89,9 @@ def test_overlap_bound_by_hand():
     assert b["read_gb_s"] == pytest.approx(2.0) and b["reads_s"] == pytest.approx(0.025)
     assert (b["x_bound"], b["speedup"], b["ceiling"]) == pytest.approx((1.6, 1.25, 2.0))
     assert "= 1.60x max(compute 20.0 ms, reads 25.0 ms at 2.00 GB/s)" in bounds_text([b])
+    # Against the 20 ms of reads without prefetch: 40 / 20, which the on run's extra 10 MB do not lower.
+    assert b["x_bound_needed"] == pytest.approx(2.0) and b["reads_needed_s"] == pytest.approx(0.02)
+    assert "2.00x with the reads without prefetch (20.0 ms)" in bounds_text([b])
     # Without the pair, or on a GPU (whose copy time is the time to issue them): nothing.
     assert overlap_bounds(rows[:3]) == []
     assert overlap_bounds([row("resident", 50, device="cuda")] + rows[1:]) == []
