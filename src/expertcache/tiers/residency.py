@@ -64,7 +64,8 @@ class PrefetchPlan:
     evicted: list[ExpertKey] = field(default_factory=list)  # in the order the policy chose them
     wasted: list[ExpertKey] = field(default_factory=list)  # evicted prefetches that no op had used
     dropped: list[int] = field(default_factory=list)  # predicted, not resident, no room: not planned
-    pinned: list[ExpertKey] = field(default_factory=list)  # what it could not evict: the op in flight, its own resident guesses
+    # What it could not evict: the op in flight and its own guesses already resident.
+    pinned: list[ExpertKey] = field(default_factory=list)
 
 
 class Residency:
