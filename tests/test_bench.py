@@ -61,6 +61,34 @@ def test_routing_replay_rejects_another_shape(synth_model):
         RoutingReplay(make_trace(experts=8), model.cfg)
 
 
+@pytest.mark.parametrize("predictor", ["linear:maps.safetensors", "router"])
+def test_bench_cache_auto_prefetches_as_the_runtime_would_with_the_traces_predictor(synth_model, predictor,
+                                                                                     monkeypatch):
+    """On a CPU, `--prefetch auto` replays a trace's predictions where they came from fitted maps and
+    the disk store reads with O_DIRECT (synth's experts lie on pages), not where the routers made them."""
+    from expertcache.bench import cache_bench
+    from expertcache.bench.trace import save_trace
+    from expertcache.tiers.store import DiskStore
+
+    open_direct = DiskStore._open_direct
+    monkeypatch.setattr(DiskStore, "_open_direct",  # a file system without O_DIRECT: stand-ins
+                        lambda store: open_direct(store) or {p: os.open(p, os.O_RDONLY) for p in store._fds})
+    from dataclasses import replace
+
+    t = make_trace()
+    pred = np.stack([np.roll(np.arange(16), -r)[:8] for r in range(len(t.ids))]).astype(np.uint8)
+    t = replace(t, header=replace(t.header, pred_width=8, predictor=predictor), pred=pred,
+                predicted=np.ones(t.num_ops, dtype=np.uint8))
+    path = synth_model.parent / f"{predictor.split(':')[0]}.npz"
+    save_trace(t, path)
+    spec = {"model": str(synth_model), "threads": 1, "prefill": 3, "decode": 4, "ubatch": 512, "mode": "cache",
+            "store": "disk", "fraction": 0.5, "route_trace": str(path), "prefetch": "auto"}
+    got = cache_bench.run_one(spec)
+    fitted = predictor != "router"
+    assert got["prefetch"] is fitted
+    assert (got["decode"]["prefetch_issued"] > 0) is fitted
+
+
 def test_bench_cache_prints_table_and_json(synth_model, capsys):
     assert main(["bench", "cache", "-m", str(synth_model), "--stores", "ram", "--fractions", "0.5",
                  "--prefill", "16", "--decode", "4", "-t", "1"]) == 0

@@ -42,6 +42,7 @@ def run_one(spec: dict) -> dict:
     load_s = time.perf_counter() - t0
     replay = None
     if spec.get("route_trace"):
+        from ..models.linear_predictor import FITTED
         from .trace import load_trace
 
         trace = load_trace(spec["route_trace"])
@@ -50,6 +51,9 @@ def run_one(spec: dict) -> dict:
         # The model's own predictor would rank its experts for routing that is not used: plan the
         # trace's recorded predictions instead (none recorded: no prefetch).
         model.net.residual_hook = model.net.forward_hook = model.experts.predict = None
+        # `--prefetch auto` decides as the runtime would with the predictor the trace was recorded
+        # with: on a CPU, fitted maps (not the routers) with direct disk reads.
+        model.experts.fitted_predictor = trace.has_predictions and trace.header.predictor.startswith(FITTED)
         if model.experts.prefetching and trace.has_predictions:
             predictions = PredictionReplay(trace, model.cfg, replay, cache.prefetch_width, model.experts.prefetch,
                                            cache.prefetch_min_prob)

@@ -151,10 +151,12 @@ class TraceRecorder:
         (the next layer's router on the residual, the first MoE layer from the embeddings; or the
         fitted maps of `model.predictor_maps`), ranked 2 x top-k wide (so that widths up to 2.0
         can be evaluated)."""
+        from ..models.linear_predictor import FITTED
+
         cfg = model.cfg
         width = min(cfg.num_experts, 2 * cfg.top_k) if predict else 0
         maps = model.predictor_maps if predict else None
-        name = ("router" if maps is None else f"linear:{maps.name}") if predict else ""
+        name = ("router" if maps is None else FITTED + maps.name) if predict else ""
         return cls(TraceHeader(cfg.num_experts, cfg.num_layers, tuple(cfg.moe_layers), cfg.top_k,
                                max(model.experts.expert_bytes.values()), str(model.path), dict(meta or {}),
                                pred_width=width, predictor=name), maps)

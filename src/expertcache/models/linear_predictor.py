@@ -173,13 +173,16 @@ class LinearMaps:
                    output=output, hidden_weight=hw, hidden_bias=hb)
 
 
+FITTED = "linear:"  # a fitted predictor's name starts so (a trace's `predictor`): FITTED + the file's name
+
+
 class LinearPredictor(RouterPredictor):
     """`RouterPredictor` with the fitted maps in place of the routers."""
 
     def __init__(self, decoder, width: int, maps: LinearMaps, scored: bool = True):
         super().__init__(decoder, width, scored)
         maps.check(decoder)
-        self.name = f"linear:{maps.name}"
+        self.name = FITTED + maps.name
         self.maps = maps.to(decoder.device)
 
     def rank(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
