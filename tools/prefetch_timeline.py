@@ -146,6 +146,8 @@ def main() -> int:
                     help="the disk store's reads: O_DIRECT where the file allows (its default), buffered, "
                          "or both in turn (default)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of every configuration, in turn (default: 1)")
+    ap.add_argument("--prefetch-width", type=float, default=1.0, help="as `bench cache` (default: 1.0)")
+    ap.add_argument("--prefetch-min-prob", type=float, default=0.0, help="as `bench cache` (default: 0)")
     args = ap.parse_args()
     timed(DiskStore, "_read", "read")
     timed(Decoder, "forward", "forward")
@@ -153,7 +155,7 @@ def main() -> int:
     counted_alignment()
     spec = {"model": args.model, "threads": args.threads, "prefill": 64, "decode": args.decode, "ubatch": 512,
             "dtype": None, "policy": None, "route_trace": args.trace, "kernels": "native", "activations": "auto",
-            "prefill_stretch": 4096, "prefill_mem": None, "prefetch_width": 1.0, "device": "cpu", "mode": "cache",
+            "prefill_stretch": 4096, "prefill_mem": None, "prefetch_width": args.prefetch_width, "prefetch_min_prob": args.prefetch_min_prob, "device": "cpu", "mode": "cache",
             "store": "disk", "fraction": args.fraction}
     reads = ("direct", "buffered") if args.reads == "both" else (args.reads,)
     rows = []
