@@ -77,16 +77,29 @@ def _worker_starts_each_wave(monkeypatch) -> None:
     """Hold each wave's submitted demand copies until the worker has started them. Otherwise, on
     a loaded machine, the op's thread can finish the wave's ready experts and take the job over
     before the worker is scheduled, and a test of what the worker reads would depend on timing."""
-    from expertcache.tiers.transfer import QUEUED, CopyWorker
+    from expertcache.tiers.transfer import CopyWorker
 
-    submit = CopyWorker.submit
+    started: dict[int, threading.Event] = {}  # id of a wave's job -> set when the worker runs it
+    init, submit = CopyWorker.__init__, CopyWorker.submit
+
+    def init_noting_starts(self, run, *args, **kwargs):
+        def run_noted(job):
+            event = started.get(id(job))
+            if event is not None:
+                event.set()
+            return run(job)
+
+        init(self, run_noted, *args, **kwargs)
 
     def held(self, job, first=False):
+        if job.wave is None:
+            return submit(self, job, first)
+        event = started[id(job)] = threading.Event()
         submit(self, job, first)
-        deadline = time.monotonic() + 5
-        while job.wave is not None and job.state == QUEUED and time.monotonic() < deadline:
-            time.sleep(0.0005)
+        assert event.wait(5), "the copy worker did not start a wave's demand copies within 5 s"
+        del started[id(job)]
 
+    monkeypatch.setattr(CopyWorker, "__init__", init_noting_starts)
     monkeypatch.setattr(CopyWorker, "submit", held)
 
 

@@ -20,13 +20,16 @@ import queue
 import subprocess
 import sys
 import threading
-import time
 from collections import OrderedDict
 
 from expertcache.bench import cache_bench
 from expertcache.memory import page_aligned_empty
 from expertcache.tiers.policy import ExpertKey
 from expertcache.tiers.store import DiskStore
+from expertcache.tiers.transfer import _Demand
+
+
+DEMAND_OVER = threading.Condition()  # notified whenever a demand copy lets the worker go on
 
 
 class Stager:
@@ -56,9 +59,19 @@ class Stager:
             self.todo.put(key)
 
     def _wait_for_an_idle_worker(self) -> None:
+        """Until the worker has no job queued or running and no demand copy holds it: waits on the
+        last job's `done`, or on `DEMAND_OVER` (notified when a demand copy ends)."""
         w = self.cache._worker
-        while w is not None and (w._queue or w._running is not None or w._demand):
-            time.sleep(0.0005)
+        while w is not None:
+            with w._cond:
+                busy = w._queue[-1] if w._queue else w._running
+            if busy is not None:
+                busy.done.wait()
+            elif w._demand:
+                with DEMAND_OVER:
+                    DEMAND_OVER.wait_for(lambda: not w._demand)
+            else:
+                return
 
     def _run(self) -> None:
         while True:
@@ -101,6 +114,12 @@ class Stager:
 
 def stage_ahead(buffers: int) -> None:
     copy_run = DiskStore.copy_run
+    demand_exit = _Demand.__exit__
+
+    def demand_over(self, *exc):
+        demand_exit(self, *exc)
+        with DEMAND_OVER:
+            DEMAND_OVER.notify_all()
 
     def staged_copy_run(self, layer, first, dst, non_blocking=False):
         stager = getattr(self, "stager", None)
@@ -128,6 +147,7 @@ def stage_ahead(buffers: int) -> None:
         experts = self._experts(nxt)
         return (nxt, experts) if experts else None
 
+    _Demand.__exit__ = demand_over
     DiskStore.copy_run = staged_copy_run
     cache_bench.PredictionReplay.__call__ = predict
 

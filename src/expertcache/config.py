@@ -235,8 +235,9 @@ class CacheConfig:
     `prefetch` (`cache` mode only): load the experts predicted for the next MoE op while the
     current one computes; `auto` turns it on where it was measured to pay (a GPU's copy engine;
     on a CPU, direct disk reads steered by a fitted predictor), see `prefetch_active`.
-    `prefetch_width`: experts predicted per token, as a multiple of top-k (0 predicts nothing); `prefetch_min_prob`: of those, only the experts the
-    predictor gives at least this probability. `predictor`: a file of fitted maps for this model
+    `prefetch_width`: experts predicted per token, as a multiple of top-k (0 predicts nothing);
+    `prefetch_min_prob`: of those, only the experts the predictor gives at least this
+    probability. `predictor`: a file of fitted maps for this model
     (`expertcache trace fit-predictor`) that predicts in place of the next layer's router.
     """
 

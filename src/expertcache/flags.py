@@ -142,4 +142,4 @@ def add_prefetch_width_flag(p) -> None:
     p.add_argument("--prefetch-min-prob", type=prefetch_min_prob, default=0.0, metavar="P",
                    help="of those, predict only the experts the predictor gives a probability of at least P "
                         "(default: 0, all; meant for a predictor fitted with --objective used, whose "
-                        "probabilities are calibrated)"),
+                        "probabilities are calibrated)")

@@ -5,9 +5,10 @@ A trace holds, for each MoE op in execution order, the layer, the number of toke
 model (expert count, layer count, top-k, bytes per expert). Since version 2 it may also hold, for
 each op, the experts a predictor ranked for each of its tokens before its router ran
 (`models/predict.py`); since version 3 also the probability the predictor gave each of those
-experts (rounded to float16, as the runtime compares it with `--prefetch-min-prob`). On disk it is one compressed `.npz` (see docs/traces.md, written so that
-traces recorded elsewhere can be converted to it). Recording only reads the routing and the
-hidden state: the outputs of a run are the same with and without it.
+experts (rounded to float16, as the runtime compares it with `--prefetch-min-prob`). On disk it
+is one compressed `.npz` (see docs/traces.md, written so that traces recorded elsewhere can be
+converted to it). Recording only reads the routing and the hidden state: the outputs of a run are
+the same with and without it.
 
 N = ops, R = routed token rows (the sum of the ops' token counts), K = top-k, P = experts
 predicted per token (`pred_width`).
@@ -574,7 +575,7 @@ def prediction_quality(trace: Trace, phase: str | None = None, widths: Sequence[
             n_used, n_pred = int(used[ops].sum()), int(hit[ops].sum())
             correct = int((used[ops] & hit[ops]).sum())
             row = out.setdefault(layer, {"ops": int(ops.sum()), "used": n_used, "widths": {}})
-            row["widths"][quality_label(width, min_prob)] = {"predicted": n_pred, "correct": correct,
-                                         "recall": correct / n_used if n_used else 0.0,
-                                         "precision": correct / n_pred if n_pred else 0.0}
+            row["widths"][quality_label(width, min_prob)] = {
+                "predicted": n_pred, "correct": correct, "recall": correct / n_used if n_used else 0.0,
+                "precision": correct / n_pred if n_pred else 0.0}
     return out
