@@ -73,36 +73,6 @@ def _fail_reads_on_the_worker(store) -> list[int]:
     return failed
 
 
-def _worker_starts_each_wave(monkeypatch) -> None:
-    """Hold each wave's submitted demand copies until the worker has started them. Otherwise, on
-    a loaded machine, the op's thread can finish the wave's ready experts and take the job over
-    before the worker is scheduled, and a test of what the worker reads would depend on timing."""
-    from expertcache.tiers.transfer import CopyWorker
-
-    started: dict[int, threading.Event] = {}  # id of a wave's job -> set when the worker runs it
-    init, submit = CopyWorker.__init__, CopyWorker.submit
-
-    def init_noting_starts(self, run, *args, **kwargs):
-        def run_noted(job):
-            event = started.get(id(job))
-            if event is not None:
-                event.set()
-            return run(job)
-
-        init(self, run_noted, *args, **kwargs)
-
-    def held(self, job, first=False):
-        if job.wave is None:
-            return submit(self, job, first)
-        event = started[id(job)] = threading.Event()
-        submit(self, job, first)
-        assert event.wait(5), "the copy worker did not start a wave's demand copies within 5 s"
-        del started[id(job)]
-
-    monkeypatch.setattr(CopyWorker, "__init__", init_noting_starts)
-    monkeypatch.setattr(CopyWorker, "submit", held)
-
-
 def _slots_hold_what_they_claim(cache) -> int:
     """Every resident key's slot holds that expert's bytes as the slow tier gives them."""
     cache.quiesce()
@@ -237,15 +207,15 @@ def test_failed_prefetch_leaves_its_slots_empty(models):
 
 
 @pytest.mark.parametrize("name", ["bundled", "qwen2"])
-def test_disk_store_reads_a_waves_misses_on_the_worker(models, reference, name, monkeypatch):
-    # Prefetch off: the worker runs for the disk store alone, and its reads are waves' demand
-    # copies. The counters stay the simulator's, the logits the all-resident ones.
-    _worker_starts_each_wave(monkeypatch)
+def test_disk_store_reads_a_waves_misses_on_the_worker(models, reference, name):
+    # Prefetch off: the worker runs for the disk store alone and makes every read, a wave's demand
+    # copies whether or not the wave has experts to compute meanwhile. The counters stay the
+    # simulator's, the logits the all-resident ones.
     model = _load(models[name], experts=12, store="disk", prefetch="off")
     readers = []
     model.experts.store.read_hook = lambda _n: readers.append(threading.current_thread().name)
     _check(model, reference[name])
-    assert WORKER in readers and threading.current_thread().name in readers
+    assert readers and set(readers) == {WORKER}
     model = _load(models[name], experts=12, store="disk", prefetch="off")
     rec = TraceRecorder.for_model(model)
     rec.generate(model, PROMPT, max_tokens=6, ignore_eos=True)
@@ -262,7 +232,7 @@ def test_ram_store_splits_waves_where_a_core_is_free(models, reference, monkeypa
     model = _load(models["bundled"], experts=12, store="ram", prefetch="on")
     split = []
     finish = model.experts._finish_demand
-    model.experts._finish_demand = lambda job: (split.append(job.layer), finish(job))[1]
+    model.experts._finish_demand = lambda job, **kw: (split.append(job.layer), finish(job, **kw))[1]
     monkeypatch.setattr(cache_module, "_core_to_spare", lambda: False)
     _check(model, reference["bundled"])
     assert not split
@@ -272,8 +242,7 @@ def test_ram_store_splits_waves_where_a_core_is_free(models, reference, monkeypa
     _slots_hold_what_they_claim(model.experts)
 
 
-def test_a_demand_copy_failing_on_the_worker_is_made_again(models, reference, monkeypatch):
-    _worker_starts_each_wave(monkeypatch)
+def test_a_demand_copy_failing_on_the_worker_is_made_again(models, reference):
     model = _load(models["qwen2"], experts=10, store="disk", prefetch="off")
     failed = _fail_reads_on_the_worker(model.experts.store)
     _check(model, reference["qwen2"])
@@ -355,10 +324,41 @@ def test_a_prefetch_failing_while_its_op_is_planned_keeps_its_slot_for_that_op(m
     _slots_hold_what_they_claim(cache)
 
 
-def test_a_prefetch_not_started_is_taken_over(models, reference):
-    # The worker starts no job (as if a demand copy never ended): every prefetch an op needs is
-    # copied by the demand path, once; the counters stay those of a free worker, the bits the
+def _hold_worker_until_an_op_waits(cache) -> threading.Event:
+    """The worker's reads wait until an op waits for a copy (the disk store: by then the op has
+    moved the copies it needs to the front of the queue). Returns an event set once the worker
+    is held in a read, so that the jobs queued after that one are all still queued."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold(_n):
+        if threading.current_thread().name == WORKER:
+            held.set()
+            assert release.wait(10), "no op waited for a copy within 10 s"
+
+    wait = cache._wait_job
+
+    def released_then_wait(job, queued):
+        release.set()
+        wait(job, queued)
+
+    cache.store.read_hook = hold
+    cache._wait_job = released_then_wait
+    return held
+
+
+def _let_worker_go(cache) -> None:
+    cache.store.read_hook = None
+    del cache._wait_job
+
+
+def test_a_prefetch_not_started_is_taken_over(models, reference, monkeypatch):
+    # Where the op's thread makes its own copies (a RAM store with every core computing, a GPU)
+    # and the worker starts no job (as if a demand copy never ended): every prefetch an op needs
+    # is copied by the demand path, once; the counters stay those of a free worker, the bits the
     # reference's.
+    from expertcache.tiers import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "_core_to_spare", lambda: False)
     counters = []
     for held in (False, True):
         model = _load(models["qwen2"], experts=10, store="ram", prefetch="on", prefetch_width=2.0)
@@ -382,16 +382,59 @@ def test_a_prefetch_not_started_is_taken_over(models, reference):
     assert counters[0] == counters[1] and counters[1]["prefetch_used"] > 0
 
 
+def test_a_prefetch_not_started_goes_first_on_the_worker(models):
+    # The disk store: the worker makes every copy. A prefetched expert whose copy has not started
+    # when its op arrives moves to the front of the queue, ahead of copies planned for a later op,
+    # and is read once, on the worker.
+    model = _load(models["qwen2"], experts=10, store="disk", prefetch="on", prefetch_width=2.0)
+    cache = model.experts
+    model.logits(IDS[:1])  # 4 experts of each layer resident, 2 slots free
+    cache.predict = None  # only the copies planned below
+    cache.quiesce()
+    layer, nxt = cache.moe_layers
+    ran = []
+    run_job = cache._run_job
+    cache._run_job = lambda job: (ran.append((job.layer, tuple(job.experts), threading.current_thread().name)),
+                                  run_job(job))[1]
+    held = _hold_worker_until_an_op_waits(cache)
+
+    def absent(at: int) -> list[int]:
+        return [e for e in range(cache.num_experts) if not cache.residency.is_resident(ExpertKey(at, e))]
+
+    later = absent(nxt)[::2][:2]  # not adjacent: two jobs
+    cache.prefetch(nxt, later)
+    assert held.wait(10)  # the first is being read, the second queued
+    now = absent(layer)[:1]
+    cache.prefetch(layer, now)  # queued behind the second
+    assert all(cache.residency.is_resident(ExpertKey(at, e)) for at, es in ((nxt, later), (layer, now)) for e in es)
+    ops = cache.acquire(layer, now)
+    assert [e for e, _ in next(ops)] == now
+    ops.close()
+    cache.quiesce()
+    _let_worker_go(cache)
+    del cache._run_job
+    assert ran == [(nxt, (later[0],), WORKER), (layer, (now[0],), WORKER), (nxt, (later[1],), WORKER)], ran
+    assert cache.telemetry()["copy_failures"] == 0
+    _slots_hold_what_they_claim(cache)
+
+
+@pytest.mark.parametrize("store", ["ram", "disk"])
 def test_a_waved_op_takes_over_its_prefetched_hits_before_later_waves_reuse_their_slots(models, reference,
-                                                                                       tmp_path):
+                                                                                       tmp_path, store,
+                                                                                       monkeypatch):
     # After a reload every slot is free, so the first forward's prediction fills the pool; its op
     # needs more experts than there are slots and runs in waves. A later wave's fills reuse slots
-    # of the first wave's prefetched hits: their copies, not started (the worker is held), must
-    # still be made for the first wave (once seen only under load, as wrong logits).
+    # of the first wave's prefetched hits: their copies, not started, must still be made for the
+    # first wave (once seen only under load, as wrong logits). With the RAM store and every core
+    # computing the worker is held and the op takes them over; with the disk store the worker
+    # waits until the op waits, and makes them first.
     import shutil
 
+    from expertcache.tiers import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "_core_to_spare", lambda: False)
     path = shutil.copytree(models["qwen2"], tmp_path / "m")
-    model = _load(path, experts=10, store="disk", prefetch="on", prefetch_width=2.0)
+    model = _load(path, experts=10, store=store, prefetch="on", prefetch_width=2.0)
     _check(model, reference["qwen2"])
     for f in path.glob("*.safetensors"):
         data = f.read_bytes()
@@ -399,15 +442,21 @@ def test_a_waved_op_takes_over_its_prefetched_hits_before_later_waves_reuse_thei
         f.write_bytes(data)
     worker = model.experts._start_worker()
     worker.drain()
-    with worker._cond:
-        worker._demand += 1
+    if store == "disk":
+        _hold_worker_until_an_op_waits(model.experts)
+    else:
+        with worker._cond:
+            worker._demand += 1
     try:
         assert torch.equal(model.logits(IDS), reference["qwen2"][0])
         assert model.telemetry()["total"]["prefetch_used"] > 0
     finally:
-        with worker._cond:
-            worker._demand -= 1
-            worker._cond.notify_all()
+        if store == "disk":
+            _let_worker_go(model.experts)
+        else:
+            with worker._cond:
+                worker._demand -= 1
+                worker._cond.notify_all()
     _slots_hold_what_they_claim(model.experts)
 
 

@@ -20,10 +20,11 @@ bound) and `staging` (the control: every op copies every expert it uses, no reus
 Prefetch (`cache` mode, docs/cache.md "Prefetch"): right after an op is planned, `predict(layer)`
 names the next op's predicted experts and `prefetch` plans them (`Residency.plan_prefetch`: the
 bookkeeping the trace simulator replays); their copies run on a worker thread (`CopyWorker`) while
-the op computes. An op that hits a prefetched expert takes its copy over if it has not started,
-waits for it if it runs, and copies it itself if it failed; a prefetch whose expert lost its slot
-before its copy started is not copied; a failed one leaves the bookkeeping, as a failed demand
-copy does.
+the op computes. An op that hits a prefetched expert takes its copy over if it has not started
+(on a CPU, where the worker makes every copy an op waits for, moves it to the front of the
+worker's queue), waits for it if it runs, and copies it itself if it failed; a prefetch whose
+expert lost its slot before its copy started is not copied; a failed one leaves the bookkeeping,
+as a failed demand copy does.
 """
 
 from __future__ import annotations
@@ -183,25 +184,38 @@ class ExpertCache:
                 if late is not None:
                     ready = _part(wave, lambda s: s not in late)
                     if wave.fills:
-                        outstanding = CopyJob(layer, [e for e, _ in wave.fills], [s for _, s in wave.fills], wave)
-                        self._worker.submit(outstanding, first=True)
+                        outstanding = self._demand_job(layer, wave)
                     self._take_prefetched(layer, ready)  # their copies are done: nothing waits
                     self.telemetry_.add_seconds("stall_seconds", time.perf_counter() - t0)
                     yield from self._compute(layer, ready)
                     t0 = time.perf_counter()
                     wave = _part(wave, lambda s: s in late)
-                with demand():
+                if split:
+                    # Every copy the wave still waits for is made on the worker: its demand copies
+                    # and its pending prefetches go to the front of the queue, and this thread only
+                    # waits. The disk then reads one thing at a time, back to back, instead of
+                    # idling until this thread wakes to read or to let the worker go on.
+                    if outstanding is None and wave.fills:
+                        outstanding = self._demand_job(layer, wave)
                     if self._pending:
-                        copied += self._take_prefetched(layer, wave)
+                        copied += self._take_prefetched(layer, wave, queued=True)
                     if outstanding is not None:
-                        ranges += self._finish_demand(outstanding)
+                        ranges += self._finish_demand(outstanding, queued=True)
                         copied += len(outstanding.experts)
                         outstanding = None
-                    elif wave.fills:
-                        if self._worker is not None:
-                            self._worker.wait_for_slots([s for _, s in wave.fills])
-                        ranges += self._copy_demand(layer, wave)
-                        copied += len(wave.fills)
+                else:
+                    with demand():
+                        if self._pending:
+                            copied += self._take_prefetched(layer, wave)
+                        if outstanding is not None:
+                            ranges += self._finish_demand(outstanding)
+                            copied += len(outstanding.experts)
+                            outstanding = None
+                        elif wave.fills:
+                            if self._worker is not None:
+                                self._worker.wait_for_slots([s for _, s in wave.fills])
+                            ranges += self._copy_demand(layer, wave)
+                            copied += len(wave.fills)
                 done += 1
                 self.telemetry_.add_seconds("stall_seconds", time.perf_counter() - t0)
                 yield from self._compute(layer, wave)
@@ -241,15 +255,30 @@ class ExpertCache:
                     late.add(s)
         return late if 0 < len(late) < len(wave.experts) else None
 
-    def _finish_demand(self, job: CopyJob) -> int:
-        """Wait for a wave's demand copies on the worker (or make them here if the worker has not
-        started them); copies that failed there are made again here, as a failed prefetch's are.
-        Returns the transfers issued."""
-        self._worker.finish(job)
+    def _demand_job(self, layer: int, wave) -> CopyJob:
+        """The wave's demand copies as a job at the front of the worker's queue."""
+        job = CopyJob(layer, [e for e, _ in wave.fills], [s for _, s in wave.fills], wave)
+        self._worker.submit(job, first=True)
+        return job
+
+    def _finish_demand(self, job: CopyJob, queued: bool = False) -> int:
+        """Wait for a wave's demand copies on the worker (or, unless `queued`, make them here if
+        the worker has not started them); copies that failed there are made again here, as a
+        failed prefetch's are. Returns the transfers issued."""
+        self._wait_job(job, queued)
         if job.error is None:
             return job.ranges
         self.telemetry_.copy_failures += 1
-        return self._copy_demand(job.layer, job.wave)
+        with self._worker.demand() if queued else nullcontext():
+            return self._copy_demand(job.layer, job.wave)
+
+    def _wait_job(self, job: CopyJob, queued: bool) -> None:
+        """`queued`: wait for the worker to make the job (the caller moved it to the front of the
+        queue); else take it over if it has not started."""
+        if queued:
+            job.done.wait()
+        else:
+            self._worker.finish(job)
 
     def _copy_demand(self, layer: int, wave) -> int:
         """`_copy_wave` for an op's own copies, a failure counted."""
@@ -396,26 +425,29 @@ class ExpertCache:
             for _, s in live:
                 self.checksums[s] = self._checksum(s)
 
-    def _take_prefetched(self, layer: int, wave) -> int:
+    def _take_prefetched(self, layer: int, wave, queued: bool = False) -> int:
         """Make the wave's prefetched experts whose copies are pending ready: a copy not started is
-        done here (the demand path takes it over), one running is waited for, one that failed is
-        made again here. Returns the copies made again."""
-        again = 0
+        done here (the demand path takes it over; with `queued`, it is moved to the front of the
+        worker's queue instead), one running is waited for, one that failed is made again here.
+        Returns the copies made again."""
+        entries = []
         for e, s in zip(wave.experts, wave.slots):
             entry = self._pending.get(s)
-            if entry is None:
-                continue
-            job, i = entry
-            if (job.layer, job.experts[i]) != (layer, e):
-                continue
-            self._worker.finish(job)
+            if entry is not None and (entry[0].layer, entry[0].experts[entry[1]]) == (layer, e):
+                entries.append((e, s, *entry))
+        if queued:
+            self._worker.expedite([job for _, _, job, _ in entries])
+        again = 0
+        for e, s, job, i in entries:
+            self._wait_job(job, queued)
             del self._pending[s]
             if job.error is None:
                 self.transfers.wait_prefetched(job.event)
                 continue
             job.live[i] = False  # made again here: `_reap` leaves it resident
             try:
-                self._copy_wave(layer, _Fill(e, s))
+                with self._worker.demand() if queued else nullcontext():
+                    self._copy_wave(layer, _Fill(e, s))
             except BaseException:
                 self.telemetry_.copy_failures += 1
                 self._drop_keys([ExpertKey(layer, e)])

@@ -128,8 +128,9 @@ COPY_THREAD = "expertcache-copy"  # the worker thread's name (fault injection ke
 class CopyWorker:
     """A thread that runs queued copy jobs one at a time, in order, and never starts one while a
     demand copy is being made (`demand()`): prefetch yields to demand. A queued job can be
-    `claim`ed, and the caller then runs it itself (the demand path takes it over); a running one
-    is waited for. `run(job)` does the copies; what it raises is kept in `job.error`."""
+    `claim`ed, and the caller then runs it itself (the demand path takes it over), or moved to the
+    front of the queue (`expedite`: the demand path waits for the worker to make it); a running
+    one is waited for. `run(job)` does the copies; what it raises is kept in `job.error`."""
 
     def __init__(self, run: Callable[[CopyJob], None], name: str = COPY_THREAD):
         self._run = run
@@ -149,6 +150,18 @@ class CopyWorker:
             else:
                 self._queue.append(job)
             self._cond.notify_all()
+
+    def expedite(self, jobs: list[CopyJob]) -> None:
+        """Move the queued ones of `jobs` to the front of the queue, in their order (the op in
+        flight waits for them); the running job finishes first."""
+        with self._cond:
+            seen: set[int] = set()
+            front = [j for j in jobs if j.state == QUEUED and not (id(j) in seen or seen.add(id(j)))]
+            for j in front:
+                self._queue.remove(j)
+            self._queue.extendleft(reversed(front))
+            if front:
+                self._cond.notify_all()
 
     def claim(self, job: CopyJob) -> bool:
         """Take a queued job from the worker: True when the caller must now run it; False when it
