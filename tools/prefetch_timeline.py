@@ -10,9 +10,11 @@ direct where the file allows and buffered, in turn on the same file) runs `--rou
 turn. Prints, per run and per decoded token: the disk's rate (the copies' bytes over their time),
 the time, the time the disk was reading (two reads at once count once), the MoE layers' waits for
 copies, their expert compute, the rest of the step (attention, routing, sampling), and where the
-disk was idle; then the CPU milliseconds per GB of a cold `preadv` (page cache filled and copied
-out), of a hot one (the copy alone) and of a cold one with O_DIRECT (the device writes the
-buffer); then one JSON line. The store reads with O_DIRECT only where the experts lie on 4 KiB
+disk was idle; how much of that idle time came while a copy job was already queued (the copy
+worker not yet back from its last read, or held back while the MoE layer made a demand copy:
+"held"), the rest with nothing to read; then the CPU milliseconds per GB of a cold `preadv`
+(page cache filled and copied out), of a hot one (the copy alone) and of a cold one with
+O_DIRECT (the device writes the buffer); then one JSON line. The store reads with O_DIRECT only where the experts lie on 4 KiB
 pages (a checkpoint `synth` or `pack` wrote since 54934f3): the first line says what share of the
 reads did. Wrapping the calls costs a few microseconds each (about 60 per token).
 """
@@ -20,6 +22,7 @@ reads did. Wrapping the calls costs a few microseconds each (about 60 per token)
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import mmap
 import os
@@ -29,10 +32,33 @@ import time
 from expertcache.bench.cache_bench import run_one
 from expertcache.models.decoder import Decoder
 from expertcache.tiers.cache import ExpertCache
-from expertcache.tiers import store
+from expertcache.tiers import store, transfer
 from expertcache.tiers.store import DiskStore
 
 EVENTS: list[tuple[str, float, float]] = []
+# At the end of each store read: (end time, copy jobs queued, of them held back by a demand copy).
+QUEUED: list[tuple[float, int, bool]] = []
+WORKERS: list[transfer.CopyWorker] = []
+
+
+def watched_workers() -> None:
+    """Each read's end notes whether a copy job was waiting: the disk idles after it either with
+    work queued (the worker not yet back, or held by a demand copy) or with nothing to read."""
+    orig_init, orig_read = transfer.CopyWorker.__init__, DiskStore._read
+
+    def init(self, *a, **k):
+        WORKERS.append(self)
+        orig_init(self, *a, **k)
+
+    def read(self, *a, **k):
+        try:
+            return orig_read(self, *a, **k)
+        finally:
+            queued = sum(len(w._queue) for w in WORKERS)
+            QUEUED.append((time.perf_counter(), queued, queued > 0 and any(w._demand for w in WORKERS)))
+
+    transfer.CopyWorker.__init__ = init
+    DiskStore._read = read
 
 
 def timed(cls, name: str, tag: str) -> None:
@@ -105,6 +131,17 @@ def summarize(events, tokens: int) -> dict:
     row["rest_ms"] = row["ms"] - row["wait_ms"] - row["compute_ms"]
     row["disk_idle_in_rest_ms"] = (row["ms"] - row["disk_busy_ms"] - row["disk_idle_in_wait_ms"]
                                    - row["disk_idle_in_compute_ms"])
+    # Each idle gap between reads, by what was queued when the last read before it ended.
+    ends = sorted(QUEUED)
+    queued = held = 0.0
+    for (_, b), (c, _) in zip(disk, disk[1:]):
+        if not t0 <= b < t1:
+            continue
+        i = bisect.bisect_right(ends, (b, float("inf"), True)) - 1
+        if i >= 0 and ends[i][1]:
+            queued += c - b
+            held += (c - b) if ends[i][2] else 0.0
+    row["disk_idle_queued_ms"], row["disk_idle_held_ms"] = queued * per, held * per
     checked = [e[0] for e in events if e[0] in ("aligned", "unaligned")]
     row["aligned_share"] = checked.count("aligned") / max(1, len(checked))
     return {k: round(v, 2) for k, v in row.items()}
@@ -153,6 +190,7 @@ def main() -> int:
     timed(Decoder, "forward", "forward")
     timed_acquire()
     counted_alignment()
+    watched_workers()
     spec = {"model": args.model, "threads": args.threads, "prefill": 64, "decode": args.decode, "ubatch": 512,
             "dtype": None, "policy": None, "route_trace": args.trace, "kernels": "native", "activations": "auto",
             "prefill_stretch": 4096, "prefill_mem": None, "prefetch_width": args.prefetch_width, "prefetch_min_prob": args.prefetch_min_prob, "device": "cpu", "mode": "cache",
@@ -164,12 +202,14 @@ def main() -> int:
             for how in reads:
                 DiskStore.direct = how == "direct"
                 EVENTS.clear()
+                QUEUED.clear()
                 got = run_one({**spec, "prefetch": prefetch})
                 rows.append({"round": rnd, "reads": how, "prefetch": prefetch,
                              "disk_gb_s": round(got["decode"]["copy_gb_s"], 3), **summarize(EVENTS, args.decode)})
     cols = ("ms", "disk_busy_ms", "wait_ms", "compute_ms", "rest_ms", "disk_idle_in_wait_ms",
-            "disk_idle_in_compute_ms", "disk_idle_in_rest_ms")
-    heads = ("ms/token", "disk busy", "waits", "experts", "rest", "idle: waits", "idle: experts", "idle: rest")
+            "disk_idle_in_compute_ms", "disk_idle_in_rest_ms", "disk_idle_queued_ms", "disk_idle_held_ms")
+    heads = ("ms/token", "disk busy", "waits", "experts", "rest", "idle: waits", "idle: experts", "idle: rest",
+             "idle, queued", "of it held")
     share = min(r["aligned_share"] for r in rows if r["reads"] == "direct") if "direct" in reads else None
     print(f"disk store, {args.threads} threads, {args.fraction:.0%} of the experts, per decoded token (ms)"
           + (f"; {share:.0%} of the reads page-aligned (direct where the store may)" if share is not None else ""))
