@@ -13,10 +13,7 @@ on what an earlier prediction of the first layer could give. Run from the reposi
         --prefetch-width 2 --prefetch-min-prob 0.55 --prefetch both
 """
 
-import json
-import subprocess
-import sys
-
+import bench_variant
 from expertcache.bench import cache_bench
 
 
@@ -42,21 +39,5 @@ def plan_first_layer_early() -> None:
     replay.begin, replay.__call__ = early_begin, early_predict
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
-    if sys.argv[3] == "early":
-        plan_first_layer_early()
-    print(json.dumps(cache_bench.run_one(json.loads(sys.argv[2]))))
-elif __name__ == "__main__":
-    from expertcache.cli import build_parser
-
-    early = "--early" in sys.argv
-    args = build_parser().parse_args(["bench", "cache"] + [a for a in sys.argv[1:] if a != "--early"])
-    rows = []
-    for spec in cache_bench.configurations(args):
-        mode = "early" if early and spec.get("prefetch") == "on" else "plain"
-        p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec), mode], capture_output=True,
-                           text=True, check=True)
-        rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
-    print(cache_bench.table(rows))
-    print(cache_bench.bounds_text(cache_bench.overlap_bounds(rows)))
-    print(json.dumps({"first_layer_early": early, "prefetch_bounds": cache_bench.overlap_bounds(rows)}))
+if __name__ == "__main__":
+    bench_variant.main("--early", plan_first_layer_early, "first_layer_early")

@@ -13,10 +13,7 @@ planned. Only ops within one forward are planned two ahead. Run from the reposit
         --prefetch-width 2 --prefetch-min-prob 0.55 --prefetch both
 """
 
-import json
-import subprocess
-import sys
-
+import bench_variant
 from expertcache.bench import cache_bench
 from expertcache.tiers.policy import ExpertKey
 from expertcache.tiers.residency import Residency
@@ -53,21 +50,5 @@ def plan_two_ahead() -> None:
     cache_bench.PredictionReplay.__call__ = predict
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
-    if sys.argv[3] == "two":
-        plan_two_ahead()
-    print(json.dumps(cache_bench.run_one(json.loads(sys.argv[2]))))
-elif __name__ == "__main__":
-    from expertcache.cli import build_parser
-
-    two = "--two" in sys.argv
-    args = build_parser().parse_args(["bench", "cache"] + [a for a in sys.argv[1:] if a != "--two"])
-    rows = []
-    for spec in cache_bench.configurations(args):
-        mode = "two" if two and spec.get("prefetch") == "on" else "one"
-        p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec), mode], capture_output=True,
-                           text=True, check=True)
-        rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
-    print(cache_bench.table(rows))
-    print(cache_bench.bounds_text(cache_bench.overlap_bounds(rows)))
-    print(json.dumps({"two_ahead": two, "prefetch_bounds": cache_bench.overlap_bounds(rows)}))
+if __name__ == "__main__":
+    bench_variant.main("--two", plan_two_ahead, "two_ahead")
