@@ -304,6 +304,49 @@ def test_disk_store_reads_page_aligned_experts_with_o_direct(checkpoints, refere
     assert plain.experts.store.reads > 0 and plain.experts.store.direct_reads == 0
 
 
+def test_merged_reads_join_ranges_that_follow_one_another(monkeypatch):
+    """Hand-made ranges, out of order: those back to back in one file become one read, its
+    buffers in file order; another file, a gap, or a read at its limits start a new one."""
+    from pathlib import Path
+
+    from expertcache.checkpoint.safetensors_io import Segment
+    from expertcache.tiers import store as storemod
+
+    a, b = Path("a"), Path("b")
+    buf = {name: memoryview(bytearray(8)) for name in "pqrstu"}
+    pieces = [(Segment(a, 100, 50), buf["q"]), (Segment(a, 0, 100), buf["p"]), (Segment(b, 150, 10), buf["r"]),
+              (Segment(a, 200, 5), buf["s"]), (Segment(a, 150, 50), buf["t"]), (Segment(b, 160, 1), buf["u"])]
+    got = [(seg, [next(k for k, v in buf.items() if v is t) for t in targets])
+           for seg, targets in storemod.merged_reads(pieces)]
+    assert got == [(Segment(a, 0, 205), ["p", "q", "t", "s"]), (Segment(b, 150, 11), ["r", "u"])]
+    monkeypatch.setattr(storemod, "MAX_READ_BUFFERS", 2)
+    assert [seg for seg, _ in storemod.merged_reads(pieces)] == [Segment(a, 0, 150), Segment(a, 150, 55),
+                                                                  Segment(b, 150, 11)]
+    monkeypatch.setattr(storemod, "MAX_READ_BYTES", 100)
+    assert [seg for seg, _ in storemod.merged_reads(pieces)] == [Segment(a, 0, 100), Segment(a, 100, 100),
+                                                                  Segment(a, 200, 5), Segment(b, 150, 11)]
+
+
+def test_disk_store_reads_an_experts_matrices_in_one_call(checkpoints, reference_logits):
+    """transformers' writer puts an expert's three matrices back to back (down, gate, up: by name),
+    in another order than a slot holds them: the store reads each expert in one call, scattered
+    into its slot, and the logits are the all-resident path's."""
+    from expertcache.checkpoint.safetensors_io import Checkpoint
+
+    ck = Checkpoint(checkpoints["plain"])
+    for layer in range(LAYERS):
+        for e in range(EXPERTS):
+            names = [f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+            infos = sorted((ck.info(name) for name in names), key=lambda i: i.offset)
+            assert all(x.offset + x.nbytes == y.offset for x, y in zip(infos, infos[1:]))
+    for store in ("disk", "mmap"):
+        cache = CacheConfig(mode="cache", experts=TOTAL // 4, store=store)
+        model = expertcache.load(checkpoints["plain"], cache=cache)
+        assert torch.equal(model.logits(IDS), reference_logits)
+        copied = model.telemetry()["total"]["copied_experts"]
+        assert copied > 0 and model.experts.store.reads == copied, store
+
+
 def test_o_direct_refused_falls_back_to_buffered_reads(checkpoints, reference_logits, monkeypatch):
     """A device asking for a coarser alignment answers EINVAL: the read is made again buffered,
     and that file is read buffered from then on."""

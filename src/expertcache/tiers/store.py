@@ -16,8 +16,8 @@ quantized matrix is copied as the file holds it; a float matrix is converted to 
 when the file's differs. Given a `Tiler`, a store whose slots are filled once (`RamStore`, or any
 store in resident mode: `make_store_for`) holds the matrices it names as tiles, interleaved as
 they are filled; a store read on every miss keeps the file's rows, which its reads land on
-directly. `mmap` and `disk` read an expert's matrices as several ranges on most
-checkpoints, and a run of experts as one range where the source says it is one.
+directly. `mmap` and `disk` read byte ranges that lie back to back in a file in one call,
+scattered into their slots (`merged_reads`): an expert's matrices, a run of experts.
 
 A store also knows the identity and version of the files it reads (device, inode, size, mtime and
 ctime in nanoseconds), which the cache compares at the start of each top-level call; the file
@@ -80,6 +80,29 @@ def aligned(offset: int, targets: list[memoryview]) -> bool:
     """Whether a read at `offset` into `targets` meets O_DIRECT's alignment."""
     return offset % DIRECT_ALIGN == 0 and all(
         t.nbytes % DIRECT_ALIGN == 0 and np.frombuffer(t, np.uint8).ctypes.data % DIRECT_ALIGN == 0 for t in targets)
+
+
+# One read's limits: Linux moves at most 2 GiB - 4 KiB per call, and takes at most IOV_MAX buffers.
+MAX_READ_BYTES = 1 << 30
+MAX_READ_BUFFERS = min(getattr(os, "IOV_MAX", 1024), 1024)
+
+
+def merged_reads(pieces: list[tuple[Segment, memoryview]]) -> list[tuple[Segment, list[memoryview]]]:
+    """Byte ranges (each with the buffer it is read into) as reads: ranges that follow one another
+    in one file become one read scattered into their buffers, in file order. An expert's matrices,
+    and a run of experts, usually lie back to back: one read each instead of one per matrix, so
+    that the disk idles less between reads."""
+    out: list[tuple[Segment, list[memoryview]]] = []
+    for seg, target in sorted(pieces, key=lambda p: (str(p[0].file), p[0].offset)):
+        if out:
+            last, targets = out[-1]
+            if (last.file == seg.file and last.offset + last.nbytes == seg.offset
+                    and last.nbytes + seg.nbytes <= MAX_READ_BYTES and len(targets) < MAX_READ_BUFFERS):
+                targets.append(target)
+                out[-1] = (Segment(seg.file, last.offset, last.nbytes + seg.nbytes), targets)
+                continue
+        out.append((seg, [target]))
+    return out
 
 
 def convert(src: torch.Tensor, src_fmt: ExpertFormat, dst: torch.Tensor, dst_fmt: ExpertFormat,
@@ -286,12 +309,15 @@ class DiskStore(ExpertStore):
                 self._read(seg, [row[offset: offset + each] for row in rows])
                 files.add(seg.file)
         else:
+            pieces = []  # every matrix of the run: (its bytes in the file, where they go)
             for i in range(n):
                 pos = 0
                 for seg in self.source.segments(layer, first + i):
-                    self._read(seg, [rows[i][pos: pos + seg.nbytes]])
-                    files.add(seg.file)
+                    pieces.append((seg, rows[i][pos: pos + seg.nbytes]))
                     pos += seg.nbytes
+            for seg, targets in merged_reads(pieces):
+                self._read(seg, targets)
+                files.add(seg.file)
         for path in files:
             self._check(path)
         if not in_place:
