@@ -155,10 +155,12 @@ class CopyWorker:
         """Move the queued ones of `jobs` to the front of the queue, in their order (the op in
         flight waits for them); the running job finishes first."""
         with self._cond:
-            seen: set[int] = set()
-            front = [j for j in jobs if j.state == QUEUED and not (id(j) in seen or seen.add(id(j)))]
-            for j in front:
-                self._queue.remove(j)
+            front: list[CopyJob] = []
+            for job in jobs:  # a job may be named once per expert of it
+                if job.state == QUEUED and all(job is not j for j in front):
+                    front.append(job)
+            for job in front:
+                self._queue.remove(job)
             self._queue.extendleft(reversed(front))
             if front:
                 self._cond.notify_all()
