@@ -190,32 +190,25 @@ class ExpertCache:
                     yield from self._compute(layer, ready)
                     t0 = time.perf_counter()
                     wave = _part(wave, lambda s: s in late)
-                if split:
-                    # Every copy the wave still waits for is made on the worker: its demand copies
-                    # and its pending prefetches go to the front of the queue, and this thread only
-                    # waits. The disk then reads one thing at a time, back to back, instead of
-                    # idling until this thread wakes to read or to let the worker go on.
-                    if outstanding is None and wave.fills:
-                        outstanding = self._demand_job(layer, wave)
+                if split and outstanding is None and wave.fills:
+                    outstanding = self._demand_job(layer, wave)
+                # With the split, every copy the wave still waits for is made on the worker: its
+                # demand copies and its pending prefetches go to the front of the queue, and this
+                # thread only waits (outside `demand()`, which would hold the worker back). The
+                # disk then reads one thing at a time, back to back, instead of idling until this
+                # thread wakes to read or to let the worker go on.
+                with nullcontext() if split else demand():
                     if self._pending:
-                        copied += self._take_prefetched(layer, wave, queued=True)
+                        copied += self._take_prefetched(layer, wave, queued=split)
                     if outstanding is not None:
-                        ranges += self._finish_demand(outstanding, queued=True)
+                        ranges += self._finish_demand(outstanding, queued=split)
                         copied += len(outstanding.experts)
                         outstanding = None
-                else:
-                    with demand():
-                        if self._pending:
-                            copied += self._take_prefetched(layer, wave)
-                        if outstanding is not None:
-                            ranges += self._finish_demand(outstanding)
-                            copied += len(outstanding.experts)
-                            outstanding = None
-                        elif wave.fills:
-                            if self._worker is not None:
-                                self._worker.wait_for_slots([s for _, s in wave.fills])
-                            ranges += self._copy_demand(layer, wave)
-                            copied += len(wave.fills)
+                    elif wave.fills:  # no split: this thread reads
+                        if self._worker is not None:
+                            self._worker.wait_for_slots([s for _, s in wave.fills])
+                        ranges += self._copy_demand(layer, wave)
+                        copied += len(wave.fills)
                 done += 1
                 self.telemetry_.add_seconds("stall_seconds", time.perf_counter() - t0)
                 yield from self._compute(layer, wave)
