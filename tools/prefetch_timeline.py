@@ -41,9 +41,11 @@ QUEUED: list[tuple[float, int, bool]] = []
 WORKERS: list[transfer.CopyWorker] = []
 
 
-def watched_workers() -> None:
-    """Each read's end notes whether a copy job was waiting: the disk idles after it either with
-    work queued (the worker not yet back, or held by a demand copy) or with nothing to read."""
+def watched_reads() -> None:
+    """Each store read, as a "read" event, and at its end whether a copy job was waiting: the disk
+    idles after it either with work queued (the worker not yet back, or held by a demand copy) or
+    with nothing to read. Both are noted with the same end time, so that a gap is matched with the
+    read before it (a second timestamp, taken a moment later, would match the read before that)."""
     orig_init, orig_read = transfer.CopyWorker.__init__, DiskStore._read
 
     def init(self, *a, **k):
@@ -51,11 +53,14 @@ def watched_workers() -> None:
         orig_init(self, *a, **k)
 
     def read(self, *a, **k):
+        t = time.perf_counter()
         try:
             return orig_read(self, *a, **k)
         finally:
+            end = time.perf_counter()
+            EVENTS.append(("read", t, end))
             queued = sum(len(w._queue) for w in WORKERS)
-            QUEUED.append((time.perf_counter(), queued, queued > 0 and any(w._demand for w in WORKERS)))
+            QUEUED.append((end, queued, queued > 0 and any(w._demand for w in WORKERS)))
 
     transfer.CopyWorker.__init__ = init
     DiskStore._read = read
@@ -186,11 +191,10 @@ def main() -> int:
     ap.add_argument("--prefetch-width", type=float, default=1.0, help="as `bench cache` (default: 1.0)")
     ap.add_argument("--prefetch-min-prob", type=float, default=0.0, help="as `bench cache` (default: 0)")
     args = ap.parse_args()
-    timed(DiskStore, "_read", "read")
     timed(Decoder, "forward", "forward")
     timed_acquire()
     counted_alignment()
-    watched_workers()
+    watched_reads()
     spec = {"model": args.model, "threads": args.threads, "prefill": 64, "decode": args.decode, "ubatch": 512,
             "dtype": None, "policy": None, "route_trace": args.trace, "kernels": "native", "activations": "auto",
             "prefill_stretch": 4096, "prefill_mem": None, "prefetch_width": args.prefetch_width, "prefetch_min_prob": args.prefetch_min_prob, "device": "cpu", "mode": "cache",
