@@ -12,9 +12,11 @@ the time, the time the disk was reading (two reads at once count once), the MoE 
 copies, their expert compute, the rest of the step (attention, routing, sampling), and where the
 disk was idle; how much of that idle time came while a copy job was already queued (the copy
 worker not yet back from its last read, or held back while the MoE layer made a demand copy:
-"held"), the rest with nothing to read; then the CPU milliseconds per GB of a cold `preadv`
-(page cache filled and copied out), of a hot one (the copy alone) and of a cold one with
-O_DIRECT (the device writes the buffer); then one JSON line. The store reads with O_DIRECT only where the experts lie on 4 KiB
+"held"), the rest with nothing to read; the time copy jobs took from their start to their first
+read, and of it what was not CPU time of the thread (it waited for a core, or for Python's lock);
+then the CPU milliseconds per GB of a cold `preadv` (page cache filled and copied out), of a hot
+one (the copy alone) and of a cold one with O_DIRECT (the device writes the buffer); then one
+JSON line. The store reads with O_DIRECT only where the experts lie on 4 KiB
 pages (a checkpoint `synth` or `pack` wrote since 54934f3): the first line says what share of the
 reads did. Wrapping the calls costs a few microseconds each (about 60 per token).
 """
@@ -27,6 +29,7 @@ import json
 import mmap
 import os
 import sys
+import threading
 import time
 
 from expertcache.bench.cache_bench import run_one
@@ -39,6 +42,9 @@ EVENTS: list[tuple[str, float, float]] = []
 # At the end of each store read: (end time, copy jobs queued, of them held back by a demand copy).
 QUEUED: list[tuple[float, int, bool]] = []
 WORKERS: list[transfer.CopyWorker] = []
+# Per copy job: (its start, wall seconds from its start to its first read, of them CPU seconds).
+STARTS: list[tuple[float, float, float]] = []
+_JOB = threading.local()
 
 
 def watched_reads() -> None:
@@ -46,7 +52,7 @@ def watched_reads() -> None:
     idles after it either with work queued (the worker not yet back, or held by a demand copy) or
     with nothing to read. Both are noted with the same end time, so that a gap is matched with the
     read before it (a second timestamp, taken a moment later, would match the read before that)."""
-    orig_init, orig_read = transfer.CopyWorker.__init__, DiskStore._read
+    orig_init, orig_read, orig_run_job = transfer.CopyWorker.__init__, DiskStore._read, ExpertCache._run_job
 
     def init(self, *a, **k):
         WORKERS.append(self)
@@ -54,6 +60,10 @@ def watched_reads() -> None:
 
     def read(self, *a, **k):
         t = time.perf_counter()
+        started = getattr(_JOB, "start", None)
+        if started is not None:
+            _JOB.start = None
+            STARTS.append((started[0], t - started[0], time.thread_time() - started[1]))
         try:
             return orig_read(self, *a, **k)
         finally:
@@ -62,8 +72,16 @@ def watched_reads() -> None:
             queued = sum(len(w._queue) for w in WORKERS)
             QUEUED.append((end, queued, queued > 0 and any(w._demand for w in WORKERS)))
 
+    def run_job(self, *a, **k):
+        _JOB.start = (time.perf_counter(), time.thread_time())
+        try:
+            return orig_run_job(self, *a, **k)
+        finally:
+            _JOB.start = None
+
     transfer.CopyWorker.__init__ = init
     DiskStore._read = read
+    ExpertCache._run_job = run_job
 
 
 def timed(cls, name: str, tag: str) -> None:
@@ -147,6 +165,11 @@ def summarize(events, tokens: int) -> dict:
             queued += c - b
             held += (c - b) if ends[i][2] else 0.0
     row["disk_idle_queued_ms"], row["disk_idle_held_ms"] = queued * per, held * per
+    # A job's time from its start on the worker to its first read: the Python that plans the read,
+    # and what the thread waited for a core (or Python's lock) on top of it.
+    starts = [(w, c) for a, w, c in STARTS if t0 <= a < t1]
+    row["job_to_read_ms"] = sum(w for w, _ in starts) * per
+    row["job_to_read_waiting_ms"] = sum(max(0.0, w - c) for w, c in starts) * per
     checked = [e[0] for e in events if e[0] in ("aligned", "unaligned")]
     row["aligned_share"] = checked.count("aligned") / max(1, len(checked))
     return {k: round(v, 2) for k, v in row.items()}
@@ -207,13 +230,15 @@ def main() -> int:
                 DiskStore.direct = how == "direct"
                 EVENTS.clear()
                 QUEUED.clear()
+                STARTS.clear()
                 got = run_one({**spec, "prefetch": prefetch})
                 rows.append({"round": rnd, "reads": how, "prefetch": prefetch,
                              "disk_gb_s": round(got["decode"]["copy_gb_s"], 3), **summarize(EVENTS, args.decode)})
     cols = ("ms", "disk_busy_ms", "wait_ms", "compute_ms", "rest_ms", "disk_idle_in_wait_ms",
-            "disk_idle_in_compute_ms", "disk_idle_in_rest_ms", "disk_idle_queued_ms", "disk_idle_held_ms")
+            "disk_idle_in_compute_ms", "disk_idle_in_rest_ms", "disk_idle_queued_ms", "disk_idle_held_ms",
+            "job_to_read_ms", "job_to_read_waiting_ms")
     heads = ("ms/token", "disk busy", "waits", "experts", "rest", "idle: waits", "idle: experts", "idle: rest",
-             "idle, queued", "of it held")
+             "idle, queued", "of it held", "job to read", "of it waiting")
     share = min(r["aligned_share"] for r in rows if r["reads"] == "direct") if "direct" in reads else None
     print(f"disk store, {args.threads} threads, {args.fraction:.0%} of the experts, per decoded token (ms)"
           + (f"; {share:.0%} of the reads page-aligned (direct where the store may)" if share is not None else ""))
