@@ -209,6 +209,32 @@ def test_choose_slot():
     assert choose_slot(slots, conv, cache_prompt=False).id == 1    # no prompt cache: least recently used
 
 
+def test_requests_total_counts_aborted_and_failed_requests():
+    # `requests_total` holds its parts: a request dropped in the queue or failing in the engine
+    # counts there as well as in `aborted` / `failed` (else aborted could exceed requests).
+    from expertcache.server.slots import Job, Scheduler
+
+    def generate(ids, session, **kw):
+        raise RuntimeError("boom")
+
+    model = SimpleNamespace(new_session=lambda: SimpleNamespace(tokens=[], truncate=lambda n: None),
+                            generate=generate)
+    sched = Scheduler(model, n_slots=1)
+    done = []
+    left, failing = Job([1, 2], {}), Job([1, 2], {})
+    left.cancelled.set()  # its client left while it was queued
+    for job in (left, failing):
+        job.on_done = lambda res, err: done.append(err)
+        sched.submit(job)
+    sched.start()
+    try:
+        wait_until(lambda: len(done) == 2, "the worker did not take both jobs")
+    finally:
+        sched.stop()
+    s = sched.snapshot()
+    assert (s.requests, s.aborted, s.errors) == (2, 1, 1)
+
+
 def test_concurrent_clients_all_answered(live, ref):
     prompts = [f"w{30 + i} w{40 + i} w{50 + i}" for i in range(5)]
     answers: dict[int, str] = {}

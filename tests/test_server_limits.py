@@ -200,6 +200,10 @@ BAD_COMPLETIONS = [
     ({"n": 10**50}, "n"),
     ({"logprobs": {"a": 1}}, "logprobs"),
     ({"stream_options": [1]}, "stream_options"),
+    ({"n": True}, "n"),  # True == 1 in Python: a boolean is not the supported value
+    ({"echo": 0}, "echo"),
+    ({"presence_penalty": "0.5"}, "presence_penalty"),  # accepted and ignored, but typed
+    ({"frequency_penalty": 3}, "frequency_penalty"),
     ({"prompt": "w1 " * 1000}, "prompt"),  # beyond the context
 ]
 
@@ -263,6 +267,40 @@ def test_body_limit_is_413(client):
     r = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413
     assert client.post("/v1/completions", json={"prompt": "w1 w2", "max_tokens": 1}).status_code == 200
+
+
+def test_a_client_that_leaves_mid_body_is_not_a_server_error(client):
+    # The body stops half-way and the client is gone: starlette's ClientDisconnect must be answered
+    # as the client's mistake, not escape as an error that uvicorn logs with a traceback.
+    import asyncio
+
+    incoming = [{"type": "http.request", "body": b'{"prompt": "w1 w', "more_body": True}]
+    sent = []
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(client.app(scope, receive, send))  # raised ClientDisconnect before the fix
+    assert 400 <= sent[0]["status"] < 500
+    assert client.post("/v1/completions", json={"prompt": "w1 w2", "max_tokens": 1}).status_code == 200
+
+
+def test_unknown_route_and_method_are_named(client):
+    r = client.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"  # a 405 must say what the route takes
+    err = r.json()["error"]
+    assert err["code"] == "method_not_allowed" and "GET /v1/chat/completions" in err["message"], err
+    assert "POST" in err["message"]
+    r = client.post("/v1/embeddings", json={"input": "w1"})
+    err = r.json()["error"]
+    assert r.status_code == 404 and err["code"] == "not_found" and "POST /v1/embeddings" in err["message"], err
 
 
 # ---- the API key ----

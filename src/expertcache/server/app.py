@@ -65,7 +65,14 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(P.error_body(str(e.detail), param=None, code=code), status_code=e.status_code)
+        # Name what was asked for (and, for 405, what the route takes); keep the exception's
+        # headers: a 405 must say `Allow`.
+        where, allow = f"{request.method} {request.url.path}", (e.headers or {}).get("Allow")
+        message = {404: f"{where}: no such route or file",
+                   405: f"{where}: method not allowed" + (f"; this route takes {allow}" if allow else "")
+                   }.get(e.status_code, f"{where}: {e.detail}")
+        return JSONResponse(P.error_body(message, param=None, code=code), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(Exception)
     async def server_error(request, e: Exception):

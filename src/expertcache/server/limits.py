@@ -23,10 +23,18 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > limit:
         raise too_large(limit)
+    from starlette.requests import ClientDisconnect  # here: the CLI imports this module without starlette
+
     chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The client left before its body was whole: its mistake, not a server error (unhandled,
+        # it would be logged as a traceback). Nobody reads the answer; 499 as nginx's.
+        raise ApiError("the client disconnected before sending the whole request body", status=499,
+                       code="client_disconnected") from None
     return b"".join(chunks)

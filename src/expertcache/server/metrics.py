@@ -92,7 +92,7 @@ class ServerCollector(Collector):
 
         s = self.scheduler.snapshot()
         for name, doc, value in (
-            ("requests", "requests served (including aborted ones)", s.requests),
+            ("requests", "requests the worker took (including aborted and failed ones)", s.requests),
             ("requests_aborted", "requests whose client left before the end", s.aborted),
             ("requests_failed", "requests that failed inside the engine", s.errors),
             ("prompt_tokens", "prompt tokens processed (not reused from the prompt cache)", s.prompt_tokens),

@@ -224,9 +224,11 @@ def check_model(body: dict, served: str) -> None:
 
 def _reject(body: dict, name: str, allowed) -> None:
     v = body.get(name)
-    if v is not None and v not in allowed:
-        raise ApiError(f"'{name}' = {_short(v)} is not supported by this server", param=name,
-                       code="unsupported_parameter")
+    # A boolean matches only a boolean: in Python `True == 1` and `0 == False`, which would let
+    # `"n": true` or `"echo": 0` pass as the supported value.
+    if v is not None and not any(v == a and isinstance(v, bool) == isinstance(a, bool) for a in allowed):
+        raise ApiError(f"'{name}' = {_short(v)} is not supported by this server (only "
+                       f"{' or '.join(json.dumps(a) for a in allowed)})", param=name, code="unsupported_parameter")
 
 
 def sampling(body: dict, ctx: int) -> dict:
@@ -246,6 +248,9 @@ def sampling(body: dict, ctx: int) -> dict:
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
         raise ApiError("'response_format' other than text is not supported", param="response_format",
                        code="unsupported_parameter")
+    # Accepted and ignored, but checked as OpenAI does: a wrong type is the client's mistake.
+    for name in ("presence_penalty", "frequency_penalty"):
+        get_number(body, name, 0.0, -2.0, 2.0)
     names = [n for n in ("max_completion_tokens", "max_tokens", "n_predict") if body.get(n) is not None]
     name = names[0] if names else "max_tokens"
     return {

@@ -63,7 +63,7 @@ class Job:
 class Stats:
     """Server counters since start; they only grow (exposed as Prometheus `_total` counters)."""
 
-    requests: int = 0
+    requests: int = 0           # every request the worker took: aborted and failed ones too
     aborted: int = 0
     errors: int = 0
     prompt_tokens: int = 0      # processed prompt tokens (not reused from the prompt cache)
@@ -150,7 +150,8 @@ class Scheduler:
 
     def _serve(self, job: Job) -> None:
         if job.cancelled.is_set():  # the client left while the request was queued
-            with self._lock:
+            with self._lock:  # counted in `requests` too: aborted and failed are parts of it
+                self.stats.requests += 1
                 self.stats.aborted += 1
             job.on_done(None, None)
             return
@@ -175,6 +176,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - reported to the waiting request; the worker keeps serving
             slot.session.truncate(0)  # the KV state may be half-written
             with self._lock:
+                self.stats.requests += 1
                 self.stats.errors += 1
             job.on_done(None, e)
             return
