@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -140,3 +141,156 @@ def test_bad_token_ids_are_errors_and_leave_the_session_as_it_was(ckpt):
             model.prefill(session, ids)
         assert session.kv.length == 3 and session.tokens == [1, 2, 3]
     assert model.prefill(session, [4]).shape == (model.cfg.vocab_size,)
+
+
+# ---- the command line's own checks (commands/, cli.py) ------------------------------------------
+
+ASSETS = Path(__file__).resolve().parents[1] / "src" / "expertcache" / "assets"
+
+
+def _installed(*argv, **kw):
+    return subprocess.run([sys.executable, "-m", "expertcache.cli", *argv], capture_output=True, text=True, **kw)
+
+
+def test_a_thread_count_beyond_what_can_start_is_refused():
+    # torch was asked for them: libgomp aborted, or the process died of SIGSEGV, after loading.
+    p = _installed("run", "-t", "100000", "-p", "def f", "-n", "1")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p
+    assert "100000" in p.stderr and "1..1024" in p.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["synth", "--like", "tiny", "--seed", str(2 ** 64)],
+    ["trace", "fit-predictor", "-f", str(ASSETS / "heldout.txt"), "-n", "5000", "--objective", "used",
+     "--epochs", "1", "--hidden", "4", "--seed", str(2 ** 64)],
+])
+def test_a_seed_beyond_64_bits_is_a_flag_error(capsys, tmp_path, argv):
+    out = tmp_path / "out"
+    assert_one_line_error(*run_cli(capsys, *argv, "-o", str(out)), "--seed", str(2 ** 64), "64 bits")
+    assert not out.exists()
+
+
+def test_perplexity_uses_the_tokenizer_it_is_given(capsys, tmp_path):
+    code, err = run_cli(capsys, "perplexity", "-f", str(ASSETS / "heldout.txt"), "-c", "64", "--chunks", "1",
+                        "--tokenizer", str(tmp_path / "nope"))
+    assert_one_line_error(code, err, "nope", "tokenizer.json")
+
+
+def test_system_without_chat_is_an_error(capsys, ckpt):
+    assert_one_line_error(*run_cli(capsys, "run", "-m", str(ckpt), "-p", "w1", "-n", "1", "--system", "be brief"),
+                          "--system", "--chat")
+
+
+def test_a_closed_stdout_pipe_ends_quietly():
+    p = subprocess.Popen([sys.executable, "-m", "expertcache.cli", "info"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # like `expertcache info | head -0`: gone before the first line
+    err = p.stderr.read()
+    assert p.wait() == 141 and err == "", err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_stdout_is_one_line():
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "expertcache.cli", "info"], stdout=full, stderr=subprocess.PIPE,
+                           text=True)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "No space left on device" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("command", ["synth", "pack"])
+def test_an_output_directory_that_cannot_be_written_is_one_line(capsys, ckpt, tmp_path, monkeypatch, command):
+    # A read-only directory, as chmod cannot make one for root: the temporary directory beside the
+    # output cannot be made.
+    real = Path.mkdir
+
+    def mkdir(self, *a, **kw):
+        if ".partial-" in self.name:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    src = ["--like", "tiny"] if command == "synth" else ["-m", str(ckpt)]
+    out = tmp_path / "out"
+    assert_one_line_error(*run_cli(capsys, command, *src, "-o", str(out)), f"cannot write {str(out)!r}",
+                          "Permission denied")
+    assert not out.exists()
+
+
+def _prompt(tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("w1 w2 w3 w4 w5 w6")
+    return prompt
+
+
+def test_trace_record_does_not_overwrite_its_input_or_a_model(capsys, ckpt, tmp_path):
+    prompt = _prompt(tmp_path)
+    weights = ckpt / "model.safetensors"
+    before = weights.read_bytes()
+    for out in (prompt, weights):
+        code, err = run_cli(capsys, "trace", "record", "-m", str(ckpt), "-f", str(prompt), "-n", "1", "-o", str(out))
+        assert_one_line_error(code, err, f"cannot write {str(out)!r}", "is not a trace")
+    assert prompt.read_text() == "w1 w2 w3 w4 w5 w6" and weights.read_bytes() == before
+
+
+def test_trace_record_checks_its_output_before_the_run(capsys, ckpt, tmp_path, monkeypatch):
+    prompt = _prompt(tmp_path)
+    code, err = run_cli(capsys, "trace", "record", "-m", str(ckpt), "-f", str(prompt), "-n", "1",
+                        "-o", str(tmp_path / "nope" / "t.npz"))
+    assert_one_line_error(code, err, "no directory")  # one line: not the run's, then this
+    monkeypatch.setattr("os.access", lambda path, mode: False)  # a read-only directory, even to root
+    code, err = run_cli(capsys, "trace", "record", "-m", str(ckpt), "-f", str(prompt), "-n", "1",
+                        "-o", str(tmp_path / "t.npz"))
+    assert_one_line_error(code, err, "not writable")
+    assert not (tmp_path / "t.npz").exists()
+
+
+def test_trace_record_replaces_an_earlier_trace_whole_or_not_at_all(capsys, ckpt, tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    prompt, out = _prompt(work), work / "t.npz"
+    assert run_cli(capsys, "trace", "record", "-m", str(ckpt), "-f", str(prompt), "-n", "1", "-o", str(out))[0] == 0
+    earlier = out.read_bytes()
+    assert run_cli(capsys, "trace", "record", "-m", str(ckpt), "-f", str(prompt), "-n", "2", "-o", str(out))[0] == 0
+    assert out.read_bytes() != earlier  # an earlier trace is replaced
+    earlier = out.read_bytes()
+
+    import numpy as np
+
+    def half(f, **arrays):  # a disk that fills up mid-write
+        f.write(b"PK half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "savez_compressed", half)
+    code, err = run_cli(capsys, "trace", "record", "-m", str(ckpt), "-f", str(prompt), "-n", "1", "-o", str(out))
+    assert code == 2 and "No space left on device" in err
+    assert out.read_bytes() == earlier and sorted(p.name for p in work.iterdir()) == ["prompt.txt", "t.npz"]
+
+
+def test_fit_predictor_does_not_overwrite_its_input_or_a_model(capsys, ckpt, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("w1 w2 w3")
+    weights = ckpt / "model.safetensors"
+    before = weights.read_bytes()
+    for out in (text, weights, tmp_path):
+        code, err = run_cli(capsys, "trace", "fit-predictor", "-m", str(ckpt), "-f", str(text), "-o", str(out))
+        assert_one_line_error(code, err, f"cannot write {str(out)!r}")
+    assert text.read_text() == "w1 w2 w3" and weights.read_bytes() == before
+
+
+def test_a_plot_is_written_whole_or_not_at_all(capsys, tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    trace, plot = tmp_path / "t.npz", tmp_path / "hit.png"
+    prompt = _prompt(tmp_path)
+    assert run_cli(capsys, "trace", "record", "-f", str(prompt), "-n", "2", "-o", str(trace))[0] == 0
+    plot.write_bytes(b"an earlier plot")
+
+    def half(self, fname, **kw):  # a disk that fills up mid-write
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", half)
+    code, err = run_cli(capsys, "trace", "simulate", str(trace), "--plot", str(plot))
+    assert code == 2 and "No space left on device" in err
+    assert plot.read_bytes() == b"an earlier plot" and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["hit.png", "prompt.txt", "t.npz"]

@@ -4,6 +4,7 @@ own flags; a user-facing error becomes one line on stderr and exit code 2."""
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from .flags import Parser
@@ -33,6 +34,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `expertcache ... | head`: the reader has gone. Stop quietly, as other tools do; stdout now
+        # goes nowhere, or Python's flush at exit would fail on the closed pipe again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout without a file descriptor (a test's capture)
+            pass
+        return 141  # 128 + SIGPIPE, what a shell reports of a tool the pipe stopped
+    except OSError as e:
+        # A read or write that failed where no command foresaw it (a read-only or full disk, stdout
+        # into /dev/full): still one line, not a traceback.
+        where = f"{e.filename}: " if e.filename is not None else ""
+        print(f"expertcache: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

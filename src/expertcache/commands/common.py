@@ -4,11 +4,15 @@ flags the benchmarks share too are in `expertcache.flags`)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import ExpertCacheError
 from ..flags import add_kernels_flag, add_prefill_flags, cache_config, positive_int, prefill_options
+from .args import threads
 
 
 def add_model_flags(p: argparse.ArgumentParser, ctx: bool = True) -> None:
@@ -18,7 +22,7 @@ def add_model_flags(p: argparse.ArgumentParser, ctx: bool = True) -> None:
                                                       "to use instead of the model's own tokenizer")
     p.add_argument("--dtype", help="compute dtype: float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    p.add_argument("-t", "--threads", type=positive_int, help="CPU threads for torch")
+    p.add_argument("-t", "--threads", type=threads, help="CPU threads for torch")
     if ctx:
         p.add_argument("-c", "--ctx-size", type=positive_int, help="context size (default: the model's)")
     p.add_argument("--ubatch", type=positive_int, default=512, help="prefill micro-batch size (default: 512)")
@@ -49,3 +53,38 @@ def read_text_file(path: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ExpertCacheError(f"{path}: not valid UTF-8 (byte {e.start})") from None
+
+
+def check_output_file(path: str, what: str, is_ours: Callable[[Path], bool]) -> Path:
+    """Before any work: the file a command will write. An existing file is replaced only when
+    `is_ours` recognises it as an earlier output of the command (`what`), so that `-o` cannot
+    overwrite the input text, a model's weights or any other file the user has; and the directory
+    must exist and take a new file, so that a bad path fails now rather than after the run."""
+    out = Path(path)
+    if out.is_dir():
+        raise ExpertCacheError(f"cannot write {path!r}: it is a directory; expected a file path")
+    if out.exists() and not is_ours(out):
+        raise ExpertCacheError(f"cannot write {path!r}: it exists and is not {what} (only {what} of an earlier "
+                               "run is replaced): expected a new path")
+    parent = out.parent
+    if not parent.is_dir():
+        raise ExpertCacheError(f"cannot write {path!r}: no directory {str(parent)!r}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExpertCacheError(f"cannot write {path!r}: directory {str(parent)!r} is not writable")
+    return out
+
+
+@contextlib.contextmanager
+def writing(output: str) -> Iterator[None]:
+    """Around the writing of `output`: an OSError on it, or on the temporary name beside it that
+    becomes it (a read-only directory, a full disk), is one line naming `output`."""
+    try:
+        yield
+    except OSError as e:
+        out = Path(output).resolve()
+        if e.filename is not None:
+            p = Path(os.fsdecode(e.filename)).resolve()
+            if not any(q == out or (q.parent == out.parent and q.name.startswith(f".{out.name}."))
+                       for q in (p, *p.parents)):
+                raise  # not the output: the source, say; cli.main names that file
+        raise ExpertCacheError(f"cannot write {output!r}: {e.strerror or e}") from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ExpertCacheError
+from .common import writing
 
 
 def cmd_pack(args) -> int:
@@ -16,11 +17,13 @@ def cmd_pack(args) -> int:
             raise ExpertCacheError("--dtype does not apply to a GGUF file: its experts are packed as its blocks")
         from ..models.pack_gguf import pack_gguf
 
-        out = pack_gguf(args.model, args.output, args.force)
+        with writing(args.output):
+            out = pack_gguf(args.model, args.output, args.force)
     else:
         from ..models.pack import pack
 
-        out = pack(args.model, args.output, args.dtype, args.force)
+        with writing(args.output):
+            out = pack(args.model, args.output, args.dtype, args.force)
     print(f"wrote {out}")
     return 0
 

@@ -91,7 +91,8 @@ def _load(args, cache):
     from ..flags import prefill_options
 
     return load(args.model, device=args.device, dtype=args.dtype, cache=cache, ctx_size=args.ctx_size,
-                threads=args.threads, kernels=args.kernels, activations=args.activations, **prefill_options(args))
+                threads=args.threads, kernels=args.kernels, activations=args.activations, tokenizer=args.tokenizer,
+                **prefill_options(args))
 
 
 def _tokenize(model, text: str, args) -> tuple[list[int], int | None]:

@@ -18,6 +18,8 @@ from .common import add_model_flags, load_model, read_text_file
 def cmd_run(args) -> int:
     if sum(x is not None and x is not False for x in (args.prompt, args.file, args.chat or None)) != 1:
         raise ExpertCacheError("give exactly one of -p/--prompt, -f/--file or --chat")
+    if args.system is not None and not args.chat:  # it would be dropped without a word
+        raise ExpertCacheError("--system applies only to --chat (with -p or -f, put it in the prompt)")
     prompt = read_text_file(args.file) if args.file else args.prompt
     SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)  # bad values fail before loading
     _check_tokenizer_file(args.model)

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from ..models.synth import PRESETS, QUANTS, synth
 from ..flags import positive_int
+from .args import seed
+from .common import writing
 
 
 def cmd_synth(args) -> int:
-    if args.quant is not None:
-        from ..models.synth_gguf import synth_gguf
+    with writing(args.output):
+        if args.quant is not None:
+            from ..models.synth_gguf import synth_gguf
 
-        out = synth_gguf(args.output, args.like, args.layers, args.experts, args.top_k, args.vocab, args.quant,
-                         args.seed, args.force)
-    else:
-        out = synth(args.output, args.like, args.layers, args.experts, args.top_k, args.vocab, args.dtype,
-                    args.seed, args.force)
+            out = synth_gguf(args.output, args.like, args.layers, args.experts, args.top_k, args.vocab, args.quant,
+                             args.seed, args.force)
+        else:
+            out = synth(args.output, args.like, args.layers, args.experts, args.top_k, args.vocab, args.dtype,
+                        args.seed, args.force)
     print(f"wrote {out}")
     return 0
 
@@ -29,7 +32,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", help="weight dtype (default: bfloat16)")
     p.add_argument("--quant", choices=QUANTS, help="write a GGUF file instead of a safetensors directory: "
                    "q4_k_m (llama.cpp's recipe, random valid blocks) or bf16")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random weights, 64 bits (default: 0)")
     p.add_argument("--force", action="store_true", help="replace an earlier output of synth or pack")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_synth)

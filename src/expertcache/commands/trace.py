@@ -6,12 +6,15 @@ and fit a predictor better than the routers."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+import zipfile
 from pathlib import Path
 
 from ..errors import ExpertCacheError
 from ..flags import add_cache_flags, add_prefetch_width_flag, nonneg_int, positive_int
-from .common import add_model_flags, load_model, read_text_file
+from .args import finite_float, seed
+from .common import add_model_flags, check_output_file, load_model, read_text_file, writing
 
 DEFAULT_CAPACITIES = "10%,25%,50%,75%"
 
@@ -23,6 +26,7 @@ def cmd_record(args) -> int:
     from ..bench.trace import TraceRecorder, parse_prompts, run_prompts, save_trace
     from ..sampling import SamplingParams
 
+    out = check_output_file(args.output, "a trace", _is_trace)  # before the run, not after it
     items = parse_prompts(read_text_file(args.prompts), args.prompts) if args.prompts else None
     text = read_text_file(args.file) if args.file else None
     SamplingParams(args.temp, args.top_k, args.top_p, 0.0, args.seed)  # bad values fail before loading
@@ -48,11 +52,29 @@ def cmd_record(args) -> int:
     else:
         run_prompts(model, recorder, items, args.n_predict, on_result=progress, **gen)
     trace = recorder.trace()
-    save_trace(trace, args.output)
-    size = Path(args.output).stat().st_size
+    # Under a temporary name beside the output, renamed when complete: a failed or interrupted
+    # write leaves no half-written file, and an earlier trace at the path stays as it was.
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        with writing(args.output):
+            save_trace(trace, tmp)
+            os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    size = out.stat().st_size
     print(f"wrote {args.output}: {trace.num_ops} ops, {trace.prefill_tokens()} prefill and "
           f"{trace.decode_tokens()} decode tokens, {size:,} bytes")
     return 0
+
+
+def _is_trace(path: Path) -> bool:
+    """Whether `path` is an npz file with a trace's header: what `trace record` may replace."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return "header.npy" in z.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 # ---- simulate ----------------------------------------------------------------------------------
@@ -157,6 +179,10 @@ def _check_plot_path(path: str) -> None:
     parent = Path(path).parent
     if not parent.is_dir():
         raise ExpertCacheError(f"--plot {path!r}: directory {str(parent)!r} does not exist")
+    if Path(path).is_dir():
+        raise ExpertCacheError(f"--plot {path!r} is a directory: expected a .png file name")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExpertCacheError(f"--plot {path!r}: directory {str(parent)!r} is not writable")
 
 
 def _plot(path: str, title: str, rows, total_experts: int) -> None:
@@ -188,11 +214,15 @@ def _plot(path: str, title: str, rows, total_experts: int) -> None:
     ax.set_title(Path(title).name, fontsize=10)
     ax.legend(loc="lower right", fontsize=9)
     fig.tight_layout()
+    # Under a temporary name, renamed when complete: no half-written PNG is left at `path`.
+    tmp = Path(path).parent / f".{Path(path).name}.partial-{os.getpid()}"
     try:
-        fig.savefig(path)
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
     except OSError as e:
         raise ExpertCacheError(f"cannot write {path!r}: {e.strerror}") from None
     finally:
+        tmp.unlink(missing_ok=True)
         plt.close(fig)
 
 
@@ -260,14 +290,25 @@ def _print_quality(trace, quality: dict, floors: list[tuple[float, float]]) -> N
 # ---- fit-predictor -----------------------------------------------------------------------------
 
 
+def _is_predictor(path: Path) -> bool:
+    """Whether `path` is a file `fit-predictor` wrote (its safetensors metadata says so): what it may replace."""
+    from safetensors import safe_open
+
+    from ..models.linear_predictor import FORMAT
+
+    try:
+        with safe_open(path, "pt") as f:
+            return (f.metadata() or {}).get("format") == FORMAT
+    except Exception:  # not a safetensors file at all (safetensors raises several kinds)
+        return False
+
+
 def cmd_fit_predictor(args) -> int:
     from tqdm import tqdm
 
     from ..models.linear_predictor import MIN_FIT_TOKENS, fit, fit_used, split_tokens
 
-    out = Path(args.output)
-    if not out.parent.is_dir():
-        raise ExpertCacheError(f"cannot write {args.output!r}: no directory {str(out.parent)!r}")
+    out = check_output_file(args.output, "a predictor file", _is_predictor)
     text = read_text_file(args.file)
     split_tokens(max(args.tokens, MIN_FIT_TOKENS * 2), args.held_out, args.ridge)  # bad options fail before loading
     model = load_model(args)
@@ -299,7 +340,8 @@ def cmd_fit_predictor(args) -> int:
             for bar in bars.values():
                 bar.close()
     maps.meta["text"] = args.file
-    maps.save(out)
+    with writing(args.output):
+        maps.save(out)
     first = model.cfg.moe_layers[0]
     prev = {nxt: layer for layer, nxt in zip(model.cfg.moe_layers, model.cfg.moe_layers[1:])}
     print(f"fitted on {report['fit_tokens']:,} tokens; recall at width 1.0 on the last "
@@ -333,10 +375,10 @@ def register(sub) -> None:
     r.add_argument("-n", "--n-predict", type=nonneg_int, default=128, help="tokens to generate per prompt "
                                                                             "(default: 128)")
     r.add_argument("--max-prompt-tokens", type=positive_int, help="-f: keep only the file's first N tokens")
-    r.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    r.add_argument("--temp", type=finite_float, default=0.0, help="temperature; 0 = greedy (default)")
     r.add_argument("--top-k", type=nonneg_int, default=0)
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--seed", type=int)
+    r.add_argument("--top-p", type=finite_float, default=1.0)
+    r.add_argument("--seed", type=seed, help="sampling seed, 64 bits (default: a random one)")
     r.add_argument("--ignore-eos", action="store_true", help="keep decoding past the end-of-text token")
     r.add_argument("--no-predictions", action="store_true",
                    help="do not record what the predictor predicted for each op (recorded by default)")
@@ -371,7 +413,8 @@ def register(sub) -> None:
     fp.add_argument("--hidden", type=nonneg_int, default=512,
                     help="used: units of the maps' hidden layer, 0 for linear maps (default: 512)")
     fp.add_argument("--epochs", type=positive_int, default=30, help="used: passes over the text (default: 30)")
-    fp.add_argument("--seed", type=int, default=0, help="used: seed of the initialisation and the batches (default: 0)")
+    fp.add_argument("--seed", type=seed, default=0,
+                    help="used: seed of the initialisation and the batches, 64 bits (default: 0)")
     fp.add_argument("--held-out", type=float, default=0.1,
                     help="share of the tokens (the last) kept out of the fit to measure recall (default: 0.1)")
     fp.add_argument("-o", "--output", required=True, help="predictor file to write (.safetensors)")
