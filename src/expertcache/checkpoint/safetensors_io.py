@@ -76,13 +76,22 @@ def _tensors_of(path: Path) -> dict[str, TensorInfo]:
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":
+            # safetensors refuses anything but string values when the file is opened to read.
+            if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+                raise ExpertCacheError(f"{path}: corrupt safetensors header (__metadata__ {meta!r}: "
+                                       "expected a JSON object of strings)")
             continue
         try:
-            dtype = DTYPES[meta["dtype"]]
+            code = meta["dtype"]
             shape = tuple(int(d) for d in meta["shape"])
             begin, end = (int(x) for x in meta["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise ExpertCacheError(f"{path}: corrupt header entry for tensor {name!r}") from None
+        if code not in DTYPES:
+            raise ExpertCacheError(f"{path}: tensor {name!r} has dtype {code!r}, expected one of {', '.join(DTYPES)}")
+        dtype = DTYPES[code]
+        if any(d < 0 for d in shape):
+            raise ExpertCacheError(f"{path}: tensor {name!r} has shape {list(shape)}, expected no negative dimension")
         numel = 1
         for d in shape:
             numel *= d
@@ -94,7 +103,25 @@ def _tensors_of(path: Path) -> dict[str, TensorInfo]:
             raise ExpertCacheError(f"{path}: truncated: tensor {name!r} ends at byte {data_start + end} "
                                    f"but the file has {size} bytes")
         out[name] = TensorInfo(name, path, dtype, shape, data_start + begin, nbytes)
+    _check_contiguous(path, out, data_start, size)
     return out
+
+
+def _check_contiguous(path: Path, tensors: dict[str, TensorInfo], data_start: int, size: int) -> None:
+    """The tensors' data fill the data section exactly, one after another, as safetensors requires
+    when the file is opened to read: a header whose ranges overlap, leave a hole or stop short of
+    the end is refused here, when the checkpoint is opened, not at the first read."""
+    at, last = data_start, None
+    for t in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+        if t.offset != at:
+            where = f"the end of tensor {last!r}" if last is not None else "the start of the data"
+            raise ExpertCacheError(f"{path}: corrupt safetensors header: tensor {t.name!r} begins at byte "
+                                   f"{t.offset - data_start} of the data, expected byte {at - data_start} "
+                                   f"({where}; tensors must not overlap or leave gaps)")
+        at, last = t.offset + t.nbytes, t.name
+    if at != size:
+        raise ExpertCacheError(f"{path}: corrupt safetensors file: {size - at} bytes after the last tensor's data "
+                               f"(the header's tensors end at byte {at}, the file has {size})")
 
 
 class Checkpoint:
@@ -108,6 +135,14 @@ class Checkpoint:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (OSError, ValueError, KeyError, TypeError):
                 raise ExpertCacheError(f"{index}: not a valid safetensors index (expected a 'weight_map')") from None
+            # Each entry names a tensor and the shard file that holds it, both strings.
+            if not isinstance(weight_map, dict):
+                raise ExpertCacheError(f"{index}: 'weight_map' is a {type(weight_map).__name__}, expected a JSON "
+                                       "object of tensor name to file name")
+            for name, fname in weight_map.items():
+                if not isinstance(fname, str) or not fname:
+                    raise ExpertCacheError(f"{index}: 'weight_map' names {fname!r} for tensor {name!r}, "
+                                           "expected a file name")
             files = sorted(set(weight_map.values()))
         elif (self.dir / "model.safetensors").exists():
             weight_map, files = None, ["model.safetensors"]

@@ -31,6 +31,9 @@ def for_gguf(metadata: dict, where: str) -> type[Architecture]:
     """The architecture of a GGUF file, from `general.architecture` and, where llama.cpp shares
     that name between families, the rest of the metadata."""
     name = metadata.get("general.architecture")
+    if name is None:
+        raise ExpertCacheError(f"{where}: metadata key 'general.architecture' is missing (expected the model's "
+                               "architecture, such as qwen3moe)")
     named = [a for a in ARCHITECTURES if name in a.gguf_architectures]
     for a in named:
         if a.matches_gguf(metadata):

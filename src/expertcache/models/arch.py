@@ -120,6 +120,10 @@ class Architecture:
         """Extra `decoder.DenseWeights` fields (the family's norm, embedding scale, logit cap)."""
         return {}
 
+    # GGUF tensors the family reads itself, besides those under Hugging Face names and the experts
+    # (any other tensor in a file is refused).
+    gguf_extra_tensors: ClassVar[tuple[str, ...]] = ()
+
     # Whether a GGUF without `expert_weights_norm` renormalises the top-k weights (llama.cpp's
     # default for the architecture).
     gguf_norm_topk_prob: ClassVar[bool] = False
@@ -170,10 +174,19 @@ class Architecture:
         if width is None:
             raise KeyError(cls.expert_width.name)
         if cls.dense_layers:
-            mlp_only = set(raw.get("mlp_only_layers") or [])
-            step = raw.get("decoder_sparse_step", 1) or 1
+            # Checked here, not left to `ModelConfig`: a string would be read as a set of characters
+            # and a step that is not a positive integer as no layer kinds at all.
+            mlp_only = raw.get("mlp_only_layers") or []
+            if not isinstance(mlp_only, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                         for i in mlp_only):
+                raise ExpertCacheError(f"mlp_only_layers {mlp_only!r}: expected a list of layer indices")
+            mlp_only = set(mlp_only)
+            step = raw.get("decoder_sparse_step")
+            step = 1 if step is None else step
+            if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+                raise ExpertCacheError(f"decoder_sparse_step {step!r} must be an integer >= 1")
             sparse = tuple(i not in mlp_only and (i + 1) % step == 0 for i in range(layers)) \
-                if isinstance(layers, int) and isinstance(step, int) and step > 0 else ()
+                if isinstance(layers, int) else ()
         else:
             sparse = (True,) * layers if isinstance(layers, int) and layers > 0 else ()
         eos = raw.get("eos_token_id")

@@ -74,6 +74,7 @@ class Gemma4(Architecture):
     gguf_architectures = ("gemma4",)
     gguf_norm_topk_prob = True
     gguf_config_reads_file = True  # rope_freqs and which layers have attn_v
+    gguf_extra_tensors = ("rope_freqs.weight",)  # read by `_rotary_factor`
     expert_layouts = GEMMA4_LAYOUTS
     norm_topk_prob = True
     qkv_bias = False

@@ -31,10 +31,10 @@ from ..checkpoint.safetensors_io import Segment
 from ..checkpoint.storage import GGML_DTYPES, QuantTensor, is_quantized
 from ..config import ModelConfig, RopeConfig
 from ..errors import ExpertCacheError
-from ..kernels.dequant import dequantize
+from ..kernels.dequant import SUPPORTED, dequantize
 from ..tiers.layout import ExpertFormat
 from . import for_gguf
-from .arch import Architecture, ExpertLayout
+from .arch import Architecture, ExpertLayout, gguf_required
 
 # A MoE layer's experts as `expertcache pack` writes them ([E, bytes], one range per expert), and
 # the metadata key that records their format.
@@ -52,12 +52,28 @@ _EXTRA_NAMES = {"linear_attn.dt_bias": "ssm_dt.bias", "router.scale": "ffn_gate_
 def is_gguf(path: Path) -> bool:
     """A .gguf file, or a directory that holds GGUF files and no config.json."""
     if path.is_file():
-        return path.suffix == ".gguf"
+        # A GGUF under another name is still one: llama.cpp goes by the magic, not the name.
+        try:
+            with open(path, "rb") as f:
+                return path.suffix == ".gguf" or f.read(4) == b"GGUF"
+        except OSError:
+            return path.suffix == ".gguf"
     return path.is_dir() and not (path / "config.json").exists() and any(path.glob("*.gguf"))
 
 
 def config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConfig:
-    """The model's config from GGUF metadata; a missing key is an error naming it."""
+    """The model's config from GGUF metadata; a missing key or a value of the wrong kind is an
+    error naming it."""
+    where = str(gg.files[0])
+    try:
+        return _config_from_gguf(arch, gg)
+    except KeyError as e:
+        raise ExpertCacheError(f"{where}: missing metadata key {e.args[0]!r}") from None
+    except ExpertCacheError as e:
+        raise ExpertCacheError(f"{where}: {e}") from None
+
+
+def _config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConfig:
     md = gg.metadata
     a = md.get("general.architecture")
 
@@ -65,26 +81,50 @@ def config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConfi
         return md.get(f"{a}.{key}", default)
 
     def need(key: str):
-        return gg.require(f"{a}.{key}")
+        return gguf_required(md, f"{a}.{key}")
 
-    where = str(gg.files[0])
+    # Counts and numbers are checked before they are used (a string block count would fail in
+    # range(), a zero head count in a division, a huge one would loop over billions of layers).
+    def count(key: str, value=None):
+        v = need(key) if value is None else value
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ExpertCacheError(f"{a}.{key} {v!r} must be an integer >= 1")
+        return v
+
+    def number(key: str, default=None) -> float:
+        v = need(key) if default is None else get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ExpertCacheError(f"{a}.{key} {v!r} must be a number")
+        return float(v)
+
     if "token_embd.weight" not in gg:
-        raise ExpertCacheError(f"{where}: missing tensor 'token_embd.weight'")
-    vocab, hidden = gg.info("token_embd.weight").shape
-    heads = need("attention.head_count")
-    layers = need("block_count")
+        raise ExpertCacheError("missing tensor 'token_embd.weight'")
+    embd = gg.info("token_embd.weight").shape
+    if len(embd) != 2:
+        raise ExpertCacheError(f"tensor 'token_embd.weight' has shape {list(embd)}, expected [vocab, hidden]")
+    vocab, hidden = embd
+    heads = count("attention.head_count")
+    layers = count("block_count")
+    if layers > len(gg.tensors):  # every layer has tensors of its own
+        raise ExpertCacheError(f"{a}.block_count {layers} is more layers than the file's {len(gg.tensors)} "
+                               "tensors can hold")
     kv = get("attention.head_count_kv", heads)
     family = getattr(arch, "gguf_config", None)
     if isinstance(kv, list):
         if family is None:
-            raise ExpertCacheError(f"{where}: per-layer {a}.attention.head_count_kv is not supported for {a}")
+            raise ExpertCacheError(f"per-layer {a}.attention.head_count_kv is not supported for {a}")
         kv = kv[0]  # the family reads the list
     head_dim = get("attention.key_length") or hidden // heads
     sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in gg for i in range(layers))
-    theta = get("rope.freq_base", 10000.0)
+    theta = number("rope.freq_base", 10000.0)
+    if theta <= 0:
+        raise ExpertCacheError(f"{a}.rope.freq_base {theta!r} must be a positive number")
     scaling = get("rope.scaling.type", "none")
     if scaling not in ("none", None):
-        raise ExpertCacheError(f"{where}: {a}.rope.scaling.type {scaling!r} is not supported: expected none")
+        raise ExpertCacheError(f"{a}.rope.scaling.type {scaling!r} is not supported: expected none")
+    norm = get("expert_weights_norm", arch.gguf_norm_topk_prob)
+    if not isinstance(norm, bool):
+        raise ExpertCacheError(f"{a}.expert_weights_norm {norm!r}: expected a bool")
     eos = md.get("tokenizer.ggml.eos_token_id")
     bos = md.get("tokenizer.ggml.bos_token_id")
     experts = need("expert_count")
@@ -95,33 +135,37 @@ def config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConfi
             if f"blk.{first}.ffn_down_exps.weight" in gg else need("feed_forward_length")
     dense = get("feed_forward_length", 0) if not all(sparse) else 0
     all_f32 = all(i.storage == torch.float32 for i in gg.tensors.values())
-    try:
-        cfg = ModelConfig(
-            model_type=arch.model_types[0], vocab_size=vocab, hidden_size=hidden, num_layers=layers,
-            num_heads=heads, num_kv_heads=kv, head_dim=head_dim, num_experts=experts,
-            top_k=need("expert_used_count"), moe_intermediate_size=width, intermediate_size=dense,
-            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-            max_position=get("context_length", 4096), rope=RopeConfig(theta=float(theta)),
-            norm_topk_prob=bool(get("expert_weights_norm", arch.gguf_norm_topk_prob)),
-            tie_word_embeddings="output.weight" not in gg,
-            qkv_bias="blk.0.attn_q.bias" in gg, o_bias="blk.0.attn_output.bias" in gg,
-            qk_norm=arch.qk_norm, clip_qkv=get("attention.clamp_kqv"),
-            sparse_layers=sparse,
-            shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0) or 0,
-            sliding_window=get("attention.sliding_window") or None,
-            # Quantized weights compute in bf16 by default (--dtype float32 is the exact reference).
-            dtype=torch.float32 if all_f32 else torch.bfloat16,
-            bos_token_id=bos, eos_token_id=(eos,) if eos is not None else (),
-            router_weights_fp32=arch.router_weights_fp32,
-        )
-        # A family with layers of its own kind reads their shapes from its own keys.
-        if family is None:
-            return cfg
-        return family(cfg, md, gg) if getattr(arch, "gguf_config_reads_file", False) else family(cfg, md)
-    except KeyError as e:
-        raise ExpertCacheError(f"{where}: missing metadata key {e.args[0]!r}") from None
-    except ExpertCacheError as e:
-        raise ExpertCacheError(f"{where}: {e}") from None
+    cfg = ModelConfig(
+        model_type=arch.model_types[0], vocab_size=vocab, hidden_size=hidden, num_layers=layers,
+        num_heads=heads, num_kv_heads=kv, head_dim=head_dim, num_experts=experts,
+        top_k=need("expert_used_count"), moe_intermediate_size=width, intermediate_size=dense,
+        rms_norm_eps=number("attention.layer_norm_rms_epsilon"),
+        # Required, as llama.cpp requires it: a default would let a prompt run past the trained length.
+        max_position=need("context_length"), rope=RopeConfig(theta=theta),
+        norm_topk_prob=norm,
+        tie_word_embeddings="output.weight" not in gg,
+        qkv_bias="blk.0.attn_q.bias" in gg, o_bias="blk.0.attn_output.bias" in gg,
+        qk_norm=arch.qk_norm, clip_qkv=get("attention.clamp_kqv"),
+        sparse_layers=sparse,
+        shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0) or 0,
+        sliding_window=get("attention.sliding_window") or None,
+        # Quantized weights compute in bf16 by default (--dtype float32 is the exact reference).
+        dtype=torch.float32 if all_f32 else torch.bfloat16,
+        bos_token_id=bos, eos_token_id=(eos,) if eos is not None else (),
+        router_weights_fp32=arch.router_weights_fp32,
+    )
+    # A family with layers of its own kind reads their shapes from its own keys.
+    if family is None:
+        return cfg
+    return family(cfg, md, gg) if getattr(arch, "gguf_config_reads_file", False) else family(cfg, md)
+
+
+def _check_storage(info) -> None:
+    """A storage type the dequantization and the kernels know (`kernels.dequant.SUPPORTED`), so that
+    a file of another type is refused when opened, not at its first product."""
+    if is_quantized(info.storage) and info.storage not in SUPPORTED:
+        raise ExpertCacheError(f"{info.file}: tensor {info.name!r} has storage type {info.qtype.name}, expected "
+                               f"one of {', '.join(q.name for q in SUPPORTED)}")
 
 
 class GGUFDense:
@@ -200,6 +244,7 @@ class GGUFExperts:
                 if tuple(info.shape) != (E, *shape):
                     raise ExpertCacheError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, "
                                            f"expected {[E, *shape]}")
+                _check_storage(info)
                 names.append((part, name))
                 fmt.append((part, info.storage, shape))
             self._names[i] = names
@@ -217,6 +262,9 @@ class GGUFExperts:
         try:
             parts = [(n, GGML_DTYPES.get(Q[t], Q[t]), tuple(shape)) for n, t, shape in json.loads(self.gg.require(key))]
             fmt = ExpertFormat.of(parts)
+            for m in fmt.matrices:
+                if is_quantized(m.storage) and m.storage not in SUPPORTED:
+                    raise ValueError(m.storage)
         except (ValueError, KeyError, TypeError):
             raise ExpertCacheError(f"{self.gg.files[0]}: metadata {key!r} is not a packed expert format "
                                    "(expected [[name, type, [rows, cols]], ...])") from None
@@ -302,4 +350,12 @@ def open_gguf(path: Path):
     names = hf_names(cfg, arch, dense, gg, optional)
     shapes = {**dense, **{n: s for n, s in optional.items() if n in names}}
     experts = GGUFExperts(gg, cfg)
+    used = {*names.values(), *(n for i in experts.layers for _, n in experts._names[i]), *arch.gguf_extra_tensors}
+    for name, info in gg.tensors.items():
+        # llama.cpp refuses a tensor it would not use; skipping one (a shared expert, a bias) would
+        # compute another model than the file's without a word.
+        if name not in used:
+            raise ExpertCacheError(f"{info.file}: unexpected tensor {name!r} for {gg.metadata['general.architecture']}")
+        if name in names.values():
+            _check_storage(info)
     return OpenedModel(Path(path), cfg, arch, GGUFDense(gg, names, shapes, arch, cfg), layout, experts)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.safetensors_io import Checkpoint, Segment, TensorInfo
+from ..checkpoint.safetensors_io import DTYPE_CODES, Checkpoint, Segment, TensorInfo
 from ..checkpoint.storage import QuantTensor, RowParts
 from ..config import ModelConfig
 from ..errors import ExpertCacheError
@@ -34,7 +34,8 @@ def read_config(directory: str | Path) -> tuple[ModelConfig, type[Architecture],
     if not d.exists():
         raise ExpertCacheError(f"model directory {str(d)!r} does not exist")
     if not d.is_dir():
-        raise ExpertCacheError(f"model path {str(d)!r} is not a directory")
+        raise ExpertCacheError(f"model path {str(d)!r} is neither a directory nor a GGUF file: expected a "
+                               "Hugging Face model directory or a .gguf file")
     path = d / "config.json"
     if not path.exists():
         raise ExpertCacheError(f"{path}: missing (a model directory needs config.json)")
@@ -182,6 +183,27 @@ def optional_shapes(cfg: ModelConfig, arch: type[Architecture]) -> dict[str, tup
     return {n: s for i in range(cfg.num_layers) for n, s in block.optional(N["layer"].format(i=i)).items()}
 
 
+def _check_dtypes(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], layout: ExpertLayout) -> None:
+    """Weights are floats, and every expert tensor has one dtype: the tiers size each slot from the
+    first expert's dtype and copy an expert's bytes as they are, so an expert stored otherwise
+    would be read as the wrong numbers, not refused. (A packed layout's bytes are uint8.)"""
+    marks = [m.split("{e}")[0] for m in (layout.gate, layout.up, layout.down, layout.gate_up) if m]
+    expert_dtype = None
+    for name in expected:
+        info = ckpt.info(name)
+        if layout.packed and name.endswith(layout.packed):
+            continue
+        if not info.dtype.is_floating_point:
+            raise ExpertCacheError(f"{info.file}: tensor {name!r} has dtype {DTYPE_CODES[info.dtype]}, "
+                                   "expected a float dtype (F32, F16, BF16)")
+        if any(m in name for m in marks):
+            expert_dtype = expert_dtype or (name, info.dtype)
+            if info.dtype != expert_dtype[1]:
+                raise ExpertCacheError(f"{info.file}: tensor {name!r} has dtype {DTYPE_CODES[info.dtype]}, "
+                                       f"expected {DTYPE_CODES[expert_dtype[1]]} as {expert_dtype[0]!r} "
+                                       "(every expert tensor in one dtype)")
+
+
 def open_model(path: str | Path) -> OpenedModel:
     """Read and validate a checkpoint directory or a GGUF file; nothing is loaded into memory yet."""
     path = Path(path)
@@ -200,6 +222,7 @@ def open_model(path: str | Path) -> OpenedModel:
         if got != shape:
             raise ExpertCacheError(f"{ckpt.info(name).file}: tensor {name!r} has shape {list(got)}, "
                                    f"expected {list(shape)}")
+    _check_dtypes(ckpt, expected, layout)
     optional = optional_shapes(cfg, arch)
     for name, shape in optional.items():
         if name in ckpt and ckpt.info(name).shape != shape:
