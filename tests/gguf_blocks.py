@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from gguf import GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 # Byte offsets of each block's fp16 fields (ggml's block structs).
@@ -57,3 +58,30 @@ def llama_cpp_tensors() -> list[tuple[str, Q, tuple[int, ...], np.ndarray]]:
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
             out.append((f"{path.stem}:{t.name}", Q(t.tensor_type), shape, raw.reshape(rows, -1)))
     return out
+
+
+def rewrite_gguf(src: Path, dst: Path, kv: dict | None = None, tensors: dict | None = None) -> Path:
+    """GGUF file `src` written again as `dst` with metadata `kv` (key -> (value, type, item type),
+    or None to drop the key) and `tensors` (name -> (bytes or floats, type), or None to drop it)
+    changed or added."""
+    reader = GGUFReader(src)
+    w = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    fields = {k: (f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
+              for k, f in reader.fields.items() if not k.startswith("GGUF.") and k != "general.architecture"}
+    for key, value in {**fields, **(kv or {})}.items():
+        if value is not None:
+            w.add_key_value(key, *value)
+    table = {t.name: (np.array(t.data), t.tensor_type) for t in reader.tensors}
+    for name, value in {**table, **(tensors or {})}.items():
+        if value is None:
+            continue
+        data, qtype = value
+        if qtype in (Q.F32, Q.F16):
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data.view(np.uint8), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -148,3 +148,36 @@ def test_a_missing_metadata_key_is_one_line_naming_it(monkeypatch, key):
         expertcache.load(FIXTURES / f"{Q8}.gguf")
     msg = str(e.value)
     assert "\n" not in msg and key in msg and f"{Q8}.gguf" in msg, msg
+
+
+@pytest.mark.parametrize("recurrent", [5, 4, None])
+def test_a_multi_token_prediction_layer_is_skipped(tmp_path, capsys, recurrent):
+    # llama.cpp's converter writes Qwen3.5/3.6's MTP head as one more block after the model's own
+    # (blk.N.*: a full-attention layer with experts, and nextn.* tensors), counted in block_count
+    # and named by nextn_predict_layers; only speculative decoding runs it. The logits are those of
+    # the file without it, whether recurrent_layers covers the extra block or not (or is absent).
+    from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType as VT
+    from gguf_blocks import rewrite_gguf
+
+    from expertcache.models.pack_gguf import pack_gguf
+
+    src, n, d = FIXTURES / f"{Q8}.gguf", 4, 32
+    mtp = {t.name.replace("blk.3.", f"blk.{n}.", 1): (np.array(t.data), t.tensor_type)
+           for t in GGUFReader(src).tensors if t.name.startswith("blk.3.")}
+    mtp[f"blk.{n}.nextn.eh_proj.weight"] = (np.random.default_rng(0).standard_normal((d, 2 * d), np.float32), Q.F32)
+    mtp |= {f"blk.{n}.nextn.{x}.weight": (np.ones(d, np.float32), Q.F32) for x in ("enorm", "hnorm", "shared_head_norm")}
+    types = {5: ([True, True, True, False, False], VT.ARRAY, VT.BOOL),
+             4: ([True, True, True, False], VT.ARRAY, VT.BOOL), None: None}
+    kv = {"qwen35moe.block_count": (n + 1, VT.UINT32, None), "qwen35moe.nextn_predict_layers": (1, VT.UINT32, None),
+          "qwen35moe.attention.recurrent_layers": types[recurrent]}
+    path = rewrite_gguf(src, tmp_path / "mtp.gguf", kv, mtp)
+    ids = _record(Q8)["prompt"]["tokens"]
+    want = expertcache.load(src).logits(ids)
+    capsys.readouterr()
+    model = expertcache.load(path)
+    assert f"skipping the multi-token-prediction layer (blk.{n}.*: {len(mtp)} tensors)" in capsys.readouterr().err
+    assert model.cfg.num_layers == n and model.cfg.layer_types == (L, L, L, F)
+    assert torch.equal(model.logits(ids), want)
+    # `pack` copies the block as it is; the packed file skips it too
+    packed = pack_gguf(path, tmp_path / "packed.gguf", progress=False)
+    assert torch.equal(expertcache.load(packed).logits(ids), want)

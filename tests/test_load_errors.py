@@ -12,11 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType as VT, GGUFWriter
+from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType as VT
 from gguf.constants import GGML_QUANT_SIZES
 
 import expertcache
 from conftest import assert_one_line_error, run_cli
+from gguf_blocks import rewrite_gguf
 from expertcache.errors import ExpertCacheError
 
 GGUF_FIXTURE = Path(__file__).parent / "fixtures" / "gguf" / "qwen3_moe-mix.gguf"
@@ -158,29 +159,7 @@ _KEEP = object()
 
 
 def _rewrite(dst: Path, kv: dict | None = None, tensors: dict | None = None) -> Path:
-    """The GGUF fixture written again with metadata `kv` (key -> (value, type, item type), or None
-    to drop the key) and `tensors` (name -> (bytes or floats, type), or None to drop it) changed."""
-    reader = GGUFReader(GGUF_FIXTURE)
-    w = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
-    fields = {k: (f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
-              for k, f in reader.fields.items() if not k.startswith("GGUF.") and k != "general.architecture"}
-    for key, value in {**fields, **(kv or {})}.items():
-        if value is not None:
-            w.add_key_value(key, *value)
-    table = {t.name: (np.array(t.data), t.tensor_type) for t in reader.tensors}
-    for name, value in {**table, **(tensors or {})}.items():
-        if value is None:
-            continue
-        data, qtype = value
-        if qtype in (Q.F32, Q.F16):
-            w.add_tensor(name, data)
-        else:
-            w.add_tensor(name, data.view(np.uint8), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return rewrite_gguf(GGUF_FIXTURE, dst, kv, tensors)
 
 
 def _random_blocks(name: str, qtype: Q) -> tuple[np.ndarray, Q]:
@@ -216,6 +195,8 @@ def _u32(v):
     ({"qwen3moe.attention.layer_norm_rms_epsilon": _s("x")},
      "qwen3moe.attention.layer_norm_rms_epsilon 'x' must be a number"),
     ({"qwen3moe.expert_weights_norm": _s("no")}, "qwen3moe.expert_weights_norm 'no': expected a bool"),
+    ({"qwen3moe.nextn_predict_layers": _u32(2)},
+     "qwen3moe.nextn_predict_layers 2: expected an integer from 0 to qwen3moe.block_count - 1 (1)"),
 ])
 def test_gguf_metadata_of_the_wrong_kind_is_one_line_naming_the_key(tmp_path, capsys, kv, needle):
     # Were a raw TypeError (range of a string), ZeroDivisionError or ValueError (float of a

@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import json
+import sys
 
 import gguf
 import torch
@@ -104,10 +105,11 @@ def _config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConf
         raise ExpertCacheError(f"tensor 'token_embd.weight' has shape {list(embd)}, expected [vocab, hidden]")
     vocab, hidden = embd
     heads = count("attention.head_count")
-    layers = count("block_count")
-    if layers > len(gg.tensors):  # every layer has tensors of its own
-        raise ExpertCacheError(f"{a}.block_count {layers} is more layers than the file's {len(gg.tensors)} "
+    blocks = count("block_count")
+    if blocks > len(gg.tensors):  # every layer has tensors of its own
+        raise ExpertCacheError(f"{a}.block_count {blocks} is more layers than the file's {len(gg.tensors)} "
                                "tensors can hold")
+    layers = blocks - nextn_layers(md, blocks)
     kv = get("attention.head_count_kv", heads)
     family = getattr(arch, "gguf_config", None)
     if isinstance(kv, list):
@@ -158,6 +160,20 @@ def _config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConf
     if family is None:
         return cfg
     return family(cfg, md, gg) if getattr(arch, "gguf_config_reads_file", False) else family(cfg, md)
+
+
+def nextn_layers(md: dict, blocks: int | None = None) -> int:
+    """The multi-token-prediction (NextN) layers a GGUF holds after the model's own: llama.cpp's
+    converter writes Qwen3.5/3.6's MTP head as the last `{arch}.nextn_predict_layers` blocks and
+    counts them in `block_count`. The main model never runs them (llama.cpp loads them for
+    speculative decoding only), so the loader skips them."""
+    a = md.get("general.architecture")
+    n = md.get(f"{a}.nextn_predict_layers", 0)
+    blocks = md.get(f"{a}.block_count") if blocks is None else blocks
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < blocks:
+        raise ExpertCacheError(f"{a}.nextn_predict_layers {n!r}: expected an integer from 0 to "
+                               f"{a}.block_count - 1 ({blocks - 1})")
+    return n
 
 
 def _check_storage(info) -> None:
@@ -351,11 +367,20 @@ def open_gguf(path: Path):
     shapes = {**dense, **{n: s for n, s in optional.items() if n in names}}
     experts = GGUFExperts(gg, cfg)
     used = {*names.values(), *(n for i in experts.layers for _, n in experts._names[i]), *arch.gguf_extra_tensors}
+    mtp = tuple(f"blk.{i}." for i in range(cfg.num_layers, cfg.num_layers + nextn_layers(gg.metadata)))
+    skipped = 0
     for name, info in gg.tensors.items():
+        if mtp and name.startswith(mtp):
+            skipped += 1
+            continue
         # llama.cpp refuses a tensor it would not use; skipping one (a shared expert, a bias) would
         # compute another model than the file's without a word.
         if name not in used:
             raise ExpertCacheError(f"{info.file}: unexpected tensor {name!r} for {gg.metadata['general.architecture']}")
         if name in names.values():
             _check_storage(info)
+    if skipped:
+        print(f"expertcache: {gg.files[0]}: skipping the multi-token-prediction layer{'s' * (len(mtp) > 1)} "
+              f"({', '.join(p + '*' for p in mtp)}: {skipped} tensors), which this engine does not run",
+              file=sys.stderr)
     return OpenedModel(Path(path), cfg, arch, GGUFDense(gg, names, shapes, arch, cfg), layout, experts)

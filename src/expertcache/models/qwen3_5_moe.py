@@ -116,6 +116,11 @@ class Qwen35Moe(Architecture):
         layers = base.num_layers
         recurrent = metadata.get(f"{a}.attention.recurrent_layers")
         if recurrent is not None:
+            # Where the file holds multi-token-prediction layers after the model's (skipped by the
+            # loader), the list may cover them too.
+            if isinstance(recurrent, list) and len(recurrent) > layers and \
+                    len(recurrent) == metadata.get(f"{a}.block_count"):
+                recurrent = recurrent[:layers]
             if not isinstance(recurrent, list) or len(recurrent) != layers:
                 raise ExpertCacheError(f"{a}.attention.recurrent_layers {recurrent!r}: expected {layers} booleans")
             types = tuple("linear_attention" if r else "full_attention" for r in recurrent)
