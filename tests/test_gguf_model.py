@@ -196,6 +196,57 @@ def test_native_prefill_dequantizes_to_the_same_bits_as_torch():
             assert torch.equal(native_model.kernels.dense(w, torch.bfloat16), torch_model.kernels.dense(w, torch.bfloat16))
 
 
+# Float matrices among an expert's blocks, as llama.cpp's quantizer leaves a matrix whose rows are
+# not whole blocks of the requested type: (MoE layer, its matrices stored as floats, their type).
+FLOAT_AMONG_BLOCKS = [(0, ("up",), Q.F32), (1, ("down",), Q.F16), (0, ("gate", "up"), Q.BF16)]
+
+
+def float_among_blocks(tmp_path: Path, layer: int, parts: tuple[str, ...], qtype: Q) -> Path:
+    """qwen3_moe-mix with matrices `parts` of layer `layer` stored as `qtype`, holding the values of
+    the file's blocks (rounded to `qtype`), its recordings beside it."""
+    import shutil
+
+    import gguf
+    from gguf_blocks import rewrite_gguf
+
+    src = FIXTURES / "qwen3_moe-mix.gguf"
+    names = {f"blk.{layer}.ffn_{p}_exps.weight" for p in parts}
+    tensors = {}
+    for t in gguf.GGUFReader(src).tensors:
+        if t.name in names:
+            v = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type))
+            tensors[t.name] = (v.astype(np.float16) if qtype == Q.F16 else gguf.quants.quantize(v, qtype), qtype)
+    name = f"mix-{layer}-{'_'.join(parts)}-{qtype.name}"
+    shutil.copy(FIXTURES / "qwen3_moe-mix.json", tmp_path / f"{name}.json")
+    return rewrite_gguf(src, tmp_path / f"{name}.gguf", tensors=tensors)
+
+
+@pytest.mark.parametrize("layer,parts,qtype", FLOAT_AMONG_BLOCKS,
+                         ids=[f"{layer}-{'_'.join(parts)}-{q.name}" for layer, parts, q in FLOAT_AMONG_BLOCKS])
+def test_float_matrices_among_an_experts_blocks(tmp_path, monkeypatch, layer, parts, qtype):
+    from expertcache.checkpoint.storage import is_quantized
+    from gguf_recordings import check_cache_independence
+
+    path = float_among_blocks(tmp_path, layer, parts, qtype)
+    model = expertcache.load(path, kernels="native")
+    assert [m.name for m in model.experts.formats[layer].matrices if not is_quantized(m.storage)] == list(parts)
+    # The native decode takes such a layer's wave in its one call too, the float matrices as ggml rows.
+    counting = CountingModule(model.kernels.quant, "experts")
+    monkeypatch.setattr(model.kernels, "_quant", counting)
+    want = _decode(model)
+    assert counting.calls["experts"] == 6 * len(model.cfg.moe_layers)
+    # The same weights on torch's kernels: as close as the all-quantized file's two paths are.
+    torch_model = expertcache.load(path, kernels="torch")
+    for got, ref in ((want, _decode(torch_model)), (model.logits(PROMPT), torch_model.logits(PROMPT))):
+        assert float((got.float() - ref.float()).abs().max() / ref.float().abs().max()) < 0.05
+    # Prefill in micro-batches (experts of up to and over eight rows) and decode: bitwise the same
+    # whatever the cache.
+    check_cache_independence(tmp_path, path.stem, "bfloat16", tokens=40, prefill=32, ubatch=16)
+    if qtype == Q.F32:  # the blocks' values exactly: the file's model, on the exact path bit for bit
+        assert torch.equal(expertcache.load(path, dtype="float32").logits(PROMPT),
+                           expertcache.load(FIXTURES / "qwen3_moe-mix.gguf", dtype="float32").logits(PROMPT))
+
+
 def test_a_run_of_experts_is_one_read_per_tensor():
     path = FIXTURES / "qwen3_moe-mix.gguf"
     model = expertcache.load(path, cache=CacheConfig(mode="cache", experts=8, store="disk"))

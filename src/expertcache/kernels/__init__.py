@@ -591,7 +591,8 @@ class NativeKernels(Kernels):
         first = wave[0][1] if wave else None
         if first is not None and not isinstance(first.down, torch.Tensor):
             # Quantized experts: products straight from the blocks, the wave in one call. All
-            # experts of a layer share one format, so the wave's types are the first's.
+            # experts of a layer share one format, so the wave's types are the first's; a float
+            # matrix among the blocks comes as rows of ggml's F32/F16/BF16 (`tiers.layout`).
             return self.quant.experts(x, [w.gate.raw for _, w in wave], [w.up.raw for _, w in wave],
                                       [w.down.raw for _, w in wave], int(first.gate.qtype), int(first.up.qtype),
                                       int(first.down.qtype), act, self.act8, True, out, rows or [],

@@ -7,6 +7,12 @@ differ (a quantized file may store `down` in another type on some layers), and e
 large as the largest. The cache copies these bytes and never interprets them; `expert_weights`
 makes typed views of a slot for the compute path.
 
+A quantized expert may hold float matrices too (llama.cpp's quantizer keeps a matrix whose rows
+are not whole blocks of the requested type in F16/F32): in such an expert every matrix is viewed
+as ggml rows (`QuantTensor`), the float ones as rows of ggml's F32, F16 or BF16 type, so that
+the kernels over blocks, which multiply those types too, take the whole expert in their one path.
+The views are made once per slot, so this costs nothing per token.
+
 A quantized matrix may be held as the kernels' tiles of eight rows instead of the file's rows
 (`MatrixFormat.tiled`, chosen by a `Tiler`): the same bytes per matrix, interleaved when the
 store fills its slots (`store.tile_in_place`), so that every product reads them as they lie.
@@ -23,9 +29,11 @@ from typing import Protocol
 
 import torch
 
-from ..checkpoint.storage import QuantTensor, RowParts, Storage, is_quantized, nbytes, storage_name
+from ..checkpoint.storage import GGML_DTYPES, QuantTensor, RowParts, Storage, is_quantized, nbytes, storage_name
 
 SLOT_ALIGN_BYTES = 256
+# A float matrix's ggml type, where it is viewed as ggml rows (beside quantized matrices).
+GGML_FLOAT_TYPES = {dtype: qtype for qtype, dtype in GGML_DTYPES.items()}
 
 Weight = torch.Tensor | QuantTensor | RowParts
 
@@ -124,27 +132,33 @@ class ExpertWeights:
     gate_up: Weight | None = None
 
 
-def _view(row: torch.Tensor, m: MatrixFormat) -> Weight:
+def _view(row: torch.Tensor, m: MatrixFormat, rows: bool) -> Weight:
+    """Matrix `m` of the expert at `row`: a tensor, or ggml rows (quantized, or `rows`: a float
+    matrix as rows of its ggml float type)."""
     raw = row[m.offset: m.offset + m.nbytes]
     if is_quantized(m.storage):
         return QuantTensor(raw.view(m.shape[0] // 8 if m.tiled else m.shape[0], -1), m.storage, m.shape, m.tiled)
+    if rows:
+        return QuantTensor(raw.view(m.shape[0], -1), GGML_FLOAT_TYPES[m.storage], m.shape)
     return raw.view(m.storage).view(m.shape)
 
 
 def expert_weights(row: torch.Tensor, fmt: ExpertFormat) -> ExpertWeights:
-    """Typed views (no copy) of the expert whose bytes start `row` (uint8)."""
-    down = _view(row, fmt.matrix("down"))
+    """Typed views (no copy) of the expert whose bytes start `row` (uint8); in a quantized expert
+    every matrix is ggml rows, its float ones too (see the module's docstring)."""
+    rows = fmt.quantized
+    down = _view(row, fmt.matrix("down"), rows)
     fused = fmt.matrix("gate_up")
     if fused is not None:
-        gu = _view(row, fused)
+        gu = _view(row, fused, rows)
         half = fused.shape[0] // 2
         if isinstance(gu, QuantTensor):
             return ExpertWeights(gu.rows(0, half), gu.rows(half, 2 * half), down, gu)
         return ExpertWeights(gu[:half], gu[half:], down, gu)
     g, u = fmt.matrix("gate"), fmt.matrix("up")
-    gate, up = _view(row, g), _view(row, u)
+    gate, up = _view(row, g, rows), _view(row, u, rows)
     gate_up = None
     if g.storage == u.storage and g.shape == u.shape and g.tiled == u.tiled and u.offset == g.offset + g.nbytes:
         # Tiles of eight rows: gate's followed by up's are the tiles of the two joined.
-        gate_up = _view(row, MatrixFormat("gate_up", g.storage, (2 * g.shape[0], g.shape[1]), g.offset, g.tiled))
+        gate_up = _view(row, MatrixFormat("gate_up", g.storage, (2 * g.shape[0], g.shape[1]), g.offset, g.tiled), rows)
     return ExpertWeights(gate, up, down, gate_up)
