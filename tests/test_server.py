@@ -8,7 +8,10 @@ import contextlib
 import io
 import itertools
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -233,6 +236,118 @@ def test_requests_total_counts_aborted_and_failed_requests():
         sched.stop()
     s = sched.snapshot()
     assert (s.requests, s.aborted, s.errors) == (2, 1, 1)
+
+
+def test_scheduler_stop_ends_running_queued_and_later_jobs_with_a_503():
+    # At shutdown every job ends with an error the API answers as 503 `server_shutting_down`: the
+    # running one at its next token, the queued one unrun, one submitted afterwards at once.
+    from expertcache.engine import GenerationResult
+    from expertcache.server.app import _error_of
+    from expertcache.server.slots import Job, Scheduler
+
+    running, tokens = threading.Event(), []
+
+    def generate(ids, session, on_text=None, should_stop=None, **kw):
+        running.set()
+        deadline = time.monotonic() + TIMEOUT
+        while on_text("w1") and time.monotonic() < deadline:  # one token after another until told to stop
+            tokens.append(1)
+        return GenerationResult("", list(tokens), len(ids), 0, "abort", 0.0, 0.0)
+
+    model = SimpleNamespace(new_session=lambda: SimpleNamespace(tokens=[], truncate=lambda n: None),
+                            generate=generate)
+    sched = Scheduler(model, n_slots=1)
+    done = {}
+    jobs = {name: Job([1, 2], {}) for name in ("running", "queued", "later")}
+    for name, job in jobs.items():
+        job.on_done = lambda res, err, name=name: done.setdefault(name, (res, err))
+    sched.start()
+    worker = sched._thread
+    sched.submit(jobs["running"])
+    wait_until(running.is_set, "the worker did not start the job")
+    sched.submit(jobs["queued"])
+    sched.stop()
+    assert not worker.is_alive(), "the worker did not end"
+    sched.submit(jobs["later"])
+    assert set(done) == {"running", "queued", "later"}
+    for name, (res, err) in done.items():
+        assert res is None and err is not None, name
+        e = _error_of(err)
+        assert e.status == 503 and e.code == "server_shutting_down", (name, e.status, e.message)
+        assert "shutting down" in e.body()["error"]["message"]
+    s = sched.snapshot()
+    assert (s.processing, s.deferred) == (0, 0)
+
+
+def _sse_data(lines: list[str]) -> list:
+    return [ln[6:] if ln == "data: [DONE]" else json.loads(ln[6:]) for ln in lines if ln.startswith("data: ")]
+
+
+def test_ctrl_c_ends_streams_and_queued_requests_cleanly(ckpt, tmp_path):
+    # `expertcache serve` gets SIGINT while a stream runs, one request waits behind it and the web
+    # page's event stream is open: the queued request is a 503 with OpenAI's error body, the stream
+    # ends with an error event and [DONE], and the process exits at once, without a traceback
+    # (before: uvicorn's 5 s grace period, then a plain-text 500, a cut stream and CancelledError
+    # tracebacks).
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:  # a file, not a pipe: a server that logs a lot cannot block on it
+        # A context far beyond the model's 512 positions: the stream would run for many seconds.
+        proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli", "serve", "-m", str(ckpt), "--port", "0",
+                                 "-c", "8192", "-t", "1"], stderr=err, stdout=subprocess.DEVNULL)
+    threads, out = [], {"stream": [], "events": []}
+    try:
+        wait_until(lambda: "serving" in log.read_text() or proc.poll() is not None, "the server did not start")
+        assert proc.poll() is None, log.read_text()
+        url = log.read_text().split(" on ", 1)[1].split()[0]
+
+        def stream():
+            body = {"prompt": "w1 w2 w3", "max_tokens": 8000, "temperature": 0, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+                out["stream_status"] = r.status_code
+                out["stream"].extend(ln for ln in r.iter_lines() if ln)  # appended one by one
+
+        def queued():
+            out["queued"] = httpx.post(url + "/v1/completions", json={"prompt": "w1", "max_tokens": 4},
+                                       timeout=TIMEOUT)
+
+        def events():
+            with httpx.stream("GET", url + "/cache/events", timeout=TIMEOUT) as r:
+                out["events"].extend(ln for ln in r.iter_lines() if ln)
+
+        for fn in (stream, events):
+            threads.append(threading.Thread(target=fn, daemon=True))
+            threads[-1].start()
+        wait_until(lambda: out["stream"] and out["events"], "the streams did not begin")
+        threads.append(threading.Thread(target=queued, daemon=True))
+        threads[-1].start()
+        wait_until(lambda: httpx.get(url + "/cache/state", timeout=TIMEOUT).json()["server"]["deferred"] == 1,
+                   "the second request was not queued")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(TIMEOUT)
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "Traceback" not in text and "Exception in ASGI" not in text, text
+    assert rc in (130, 0), (rc, text)  # 130: as any Ctrl-C of the CLI (0 where SIGINT was ignored)
+    assert took < 4.0, f"the server took {took:.1f}s to exit"  # uvicorn's grace period is 5 s
+
+    r = out["queued"]
+    assert r.status_code == 503 and r.headers["content-type"].startswith("application/json"), r.text
+    assert r.json()["error"]["code"] == "server_shutting_down"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert "shutting down" in r.json()["error"]["message"]
+
+    data = _sse_data(out["stream"])
+    assert out["stream_status"] == 200 and data[-1] == "[DONE]", out["stream"][-3:]
+    assert data[-2]["error"]["code"] == "server_shutting_down", data[-2]
+    assert len(data) - 2 < 8000  # cut short: no finish chunk
+    assert all("choices" in d for d in data[:-2])
 
 
 def test_concurrent_clients_all_answered(live, ref):

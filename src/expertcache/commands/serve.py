@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 
@@ -53,11 +54,26 @@ def cmd_serve(args) -> int:
           f"{'off' if args.no_cache_prompt else 'on'}, cache mode {model.telemetry().get('mode')}, "
           f"API key {'required' if api_key else 'off'})",
           file=sys.stderr, flush=True)
-    # On Ctrl-C, streams still open get a few seconds before the worker cancels them.
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
                             timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    _ending_requests_first(uvicorn.Server)(config).run(sockets=[sock])
     return 0
+
+
+def _ending_requests_first(server_class):
+    """uvicorn's server, which on Ctrl-C or SIGTERM first ends the app's requests: the scheduler's
+    stop() answers those queued or running (and any submitted later) with 503
+    `server_shutting_down`, a stream with a last error event, the generation stopping at its next
+    token. Their connections then close long before uvicorn's grace period, after which it would
+    cancel them mid-response (a bare 500, a cut stream, tracebacks in the log). The lifespan's
+    own shutdown comes only after that period, too late for this."""
+
+    class Server(server_class):
+        async def shutdown(self, sockets=None):
+            await asyncio.to_thread(self.config.app.state.scheduler.stop)
+            await super().shutdown(sockets)
+
+    return Server
 
 
 def register(sub) -> None:

@@ -138,7 +138,7 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
             return Response(status_code=499)  # the client left; the job is cancelled
         if first[0] == "done":
             _raise_engine_error(first[2])
-            if first[1] is None:  # cancelled by a shutdown
+            if first[1] is None:  # cancelled unrun by someone else (a shutdown says ShuttingDown, a 503 too)
                 raise P.ApiError("the request was cancelled", status=503, code="cancelled")
         if not stream:
             while first[0] != "done":

@@ -136,7 +136,7 @@ def add_dashboard(app: FastAPI, model, scheduler: Scheduler, *, model_id: str = 
 
         async def events():
             last, quiet = None, 0.0
-            while True:
+            while not scheduler.stopping.is_set():  # the server is shutting down: end the stream
                 snap = state()
                 same = {k: v for k, v in snap.items() if k != "time"}
                 if same != last:

@@ -11,12 +11,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine import GenerationResult, Model, Session, common_prefix
+from ..errors import ExpertCacheError
 
 # A slot's cached tokens count as the request's conversation when their common prefix covers
 # at least this fraction of the request or of the slot (llama-server's --slot-prompt-similarity
 # is the first half of this rule); otherwise the least recently used slot is taken, so that two
 # conversations sharing only a system prompt do not keep evicting each other.
 SIMILARITY = 0.5
+
+
+class ShuttingDown(ExpertCacheError):
+    """What a job queued, running or submitted once `Scheduler.stop` began gets: the API answers
+    503 `server_shutting_down` (a last error event in a stream that has begun)."""
+
+    status = 503
+    code = "server_shutting_down"
+
+    def __init__(self, message: str = "the server is shutting down"):
+        super().__init__(message)
 
 
 @dataclass(slots=True)
@@ -98,16 +110,21 @@ class Scheduler:
         self._tick = 0
         self._thread: threading.Thread | None = None
         self._current: Job | None = None
+        self.stopping = threading.Event()  # set by stop(): no job runs or waits from then on
 
     def start(self) -> None:
         if self._thread is None:
+            self.stopping.clear()  # an app started again after a stop serves again
             self._thread = threading.Thread(target=self._run, name="expertcache-worker", daemon=True)
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel what is queued or running and wait for the worker to end."""
-        if self._thread is None:
-            return
+        """End every job with `ShuttingDown` and wait for the worker to end: a running one stops
+        at its next token (or prefill micro-batch), queued ones are dropped unrun, and later
+        submits are answered at once. The slots' KV state stays consistent (as for a client that
+        left). Safe to call again."""
+        with self._lock:  # a submit() either queued its job before this (drained below) or sees `stopping`
+            self.stopping.set()
         current = self._current
         if current is not None:
             current.cancelled.set()
@@ -117,16 +134,22 @@ class Scheduler:
             except queue.Empty:
                 break
             if job is not None:
+                with self._lock:
+                    self.stats.deferred -= 1
                 job.cancelled.set()
-                job.on_done(None, RuntimeError("the server is shutting down"))
-        self._queue.put(None)
-        self._thread.join(timeout)
-        self._thread = None
+                job.on_done(None, ShuttingDown())
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            self._thread = None
 
     def submit(self, job: Job) -> None:
         with self._lock:
-            self.stats.deferred += 1
-        self._queue.put(job)
+            if not self.stopping.is_set():
+                self.stats.deferred += 1
+                self._queue.put(job)
+                return
+        job.on_done(None, ShuttingDown())
 
     def snapshot(self) -> Stats:
         with self._lock:
@@ -149,11 +172,12 @@ class Scheduler:
                     self.stats.processing -= 1
 
     def _serve(self, job: Job) -> None:
-        if job.cancelled.is_set():  # the client left while the request was queued
+        stopping = self.stopping.is_set()  # stop() began as the worker took the job
+        if job.cancelled.is_set() or stopping:  # the client left while the request was queued
             with self._lock:  # counted in `requests` too: aborted and failed are parts of it
                 self.stats.requests += 1
                 self.stats.aborted += 1
-            job.on_done(None, None)
+            job.on_done(None, ShuttingDown() if stopping else None)
             return
         use_cache = self.cache_prompt and job.cache_prompt
         slot = choose_slot(self.slots, job.ids, use_cache)
@@ -182,4 +206,7 @@ class Scheduler:
             return
         with self._lock:
             self.stats.record(res)
+        if res.finish_reason == "abort" and self.stopping.is_set():
+            job.on_done(None, ShuttingDown())  # cut short by stop(), not by its client
+            return
         job.on_done(res, None)
