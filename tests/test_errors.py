@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -294,3 +295,156 @@ def test_a_plot_is_written_whole_or_not_at_all(capsys, tmp_path, monkeypatch):
     assert code == 2 and "No space left on device" in err
     assert plot.read_bytes() == b"an earlier plot" and sorted(p.name for p in tmp_path.iterdir()) == \
         ["hit.png", "prompt.txt", "t.npz"]
+
+
+# ---- bad input the audit found: each was silent, several lines, or named the wrong thing ---------
+
+@pytest.mark.parametrize("size", [["--cache-experts", "3"], ["--cache-mem", "3MB"], ["--cache-fraction", "0.5"]])
+def test_a_cache_size_with_the_resident_mode_is_an_error(capsys, size):
+    # Resident holds every expert: the size was ignored without a word.
+    code, err = run_cli(capsys, "run", "-p", "def f", "-n", "1", "--cache-mode", "resident", *size)
+    assert_one_line_error(code, err, "--cache-mode resident", size[0])
+    from expertcache import CacheConfig, ExpertCacheError
+
+    with pytest.raises(ExpertCacheError, match="resident"):
+        CacheConfig(mode="resident", experts=3)
+
+
+@pytest.mark.parametrize("value,needle", [("0.5", "'0.5' must be at least 1 byte"), ("abc", "'abc'")])
+def test_cache_mem_errors_name_the_flag_and_the_value_as_typed(capsys, value, needle):
+    # Were "cache mem 0 must be ..." (the value rounded down) and a message without the flag.
+    assert_one_line_error(*run_cli(capsys, "run", "-p", "def f", "-n", "1", "--cache-mem", value),
+                          "--cache-mem", needle)
+    from expertcache import CacheConfig, ExpertCacheError
+
+    with pytest.raises(ExpertCacheError, match=re.escape(f"{value!r}")):  # through the API too
+        CacheConfig(mem=value)
+
+
+def _unreadable(monkeypatch, name: str) -> None:
+    """Opening a file called `name` fails as it would without read permission (which root has)."""
+    import builtins
+
+    real = builtins.open
+
+    def fake(file, *a, **kw):
+        if Path(str(file)).name == name:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real(file, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", fake)
+
+
+@pytest.mark.parametrize("command", [["trace", "stats"], ["bench", "cache", "-m", str(ASSETS / "tiny-qwen3-moe"),
+                                                          "--route-trace"]])
+def test_a_file_that_is_not_a_trace_or_cannot_be_read_is_one_short_line(capsys, tmp_path, monkeypatch, command):
+    # Were numpy's paragraph about pickled data and allow_pickle, and "not an expertcache trace:
+    # ... Permission denied" for a trace that could not be read.
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    code, err = run_cli(capsys, *command, str(text))
+    assert_one_line_error(code, err, "notes.txt", "not an expertcache trace", "expected an .npz file")
+    assert "pickle" not in err and len(err) < 200, err
+    trace = tmp_path / "t.npz"
+    assert run_cli(capsys, "trace", "record", "-f", str(_prompt(tmp_path)), "-n", "1", "-o", str(trace))[0] == 0
+    _unreadable(monkeypatch, "t.npz")
+    code, err = run_cli(capsys, *command, str(trace))
+    assert_one_line_error(code, err, f"cannot read trace {str(trace)!r}: Permission denied")
+    assert "not an expertcache trace" not in err
+
+
+def test_a_full_disk_while_saving_a_trace_names_the_output(capsys, tmp_path, monkeypatch):
+    # Named the temporary file ".t.npz.partial-PID" the trace is written through, not -o.
+    import numpy as np
+
+    def full(f, **arrays):
+        raise OSError(28, "No space left on device")
+
+    prompt, out = _prompt(tmp_path), tmp_path / "t.npz"
+    monkeypatch.setattr(np, "savez_compressed", full)
+    code, err = run_cli(capsys, "trace", "record", "-f", str(prompt), "-n", "1", "-o", str(out))
+    *progress, last = err.strip().splitlines()  # the run's progress line, then the error
+    assert_one_line_error(code, last, f"cannot write trace {str(out)!r}: No space left on device")
+    assert ".partial" not in err and not out.exists()
+
+
+@pytest.mark.parametrize("where", ["config.json", "nope"])
+def test_a_tokenizer_path_that_is_not_a_directory_says_so_before_loading(capsys, monkeypatch, where):
+    # Were "<path>/tokenizer.json: missing (a model directory needs tokenizer.json)", after the
+    # model's weights had been read.
+    import expertcache.engine
+
+    def assemble(*a, **kw):
+        raise AssertionError("the weights were read before the tokenizer was checked")
+
+    monkeypatch.setattr(expertcache.engine, "_assemble", assemble)
+    path = str(ASSETS / "tiny-qwen3-moe" / where)
+    assert_one_line_error(*run_cli(capsys, "run", "-p", "def f", "-n", "1", "--tokenizer", path),
+                          f"tokenizer {path!r} is not an existing directory", "tokenizer.json")
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--url", "notaurl"], ["--url", "'notaurl'", "http://HOST:PORT"]),
+    (["--url", "http://127.0.0.1:abc"], ["--url", "'http://127.0.0.1:abc'"]),
+    (["--url", "http://127.0.0.1:1", "--duration", "nan"], ["--duration", "'nan'", "finite"]),
+    (["--url", "http://127.0.0.1:1", "--timeout", "0"], ["--timeout", "0 seconds", "positive"]),
+    (["--url", "http://127.0.0.1:1", "--warmup", "-1"], ["--warmup", "-1"]),
+    (["-m", str(ASSETS / "tiny-qwen3-moe"), "--startup-timeout", "-1"], ["--startup-timeout", "-1 seconds"]),
+])
+def test_bench_serve_checks_its_flags_before_any_request_or_server(capsys, monkeypatch, argv, needles):
+    # --url notaurl was a ValueError traceback from urllib; --duration nan was taken, and
+    # --startup-timeout -1 started a server only to give up on it.
+    import subprocess as sp
+
+    def popen(*a, **kw):
+        raise AssertionError("a server was started")
+
+    monkeypatch.setattr(sp, "Popen", popen)
+    assert_one_line_error(*run_cli(capsys, "bench", "serve", "--suite", "steady", *argv), *needles)
+
+
+@pytest.fixture
+def no_benchmark(monkeypatch):
+    """A benchmark that starts fails the test: its flags were to be refused first."""
+    import subprocess as sp
+
+    import expertcache.bench.speed
+
+    def started(*a, **kw):
+        raise AssertionError("the benchmark started")
+
+    monkeypatch.setattr(sp, "run", started)
+    monkeypatch.setattr(expertcache.bench.speed, "run", started)
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["cache", "--dtype", "int3"], ["--dtype", "'int3'", "float32"]),
+    (["cache", "--cache-policy", "foo"], ["--cache-policy", "'foo'", "lrfu"]),
+    (["speed", "--dtype", "int3"], ["--dtype", "'int3'"]),
+    (["speed", "--prefill", "abc"], ["--prefill", "'abc'", "prompt lengths"]),
+    (["speed", "--prefill", "256,0"], ["--prefill", "'256,0'", "at least 1"]),
+    (["cache", "-t", "100000"], ["--threads", "100000", "1..1024"]),
+    (["speed", "-t", "100000"], ["--threads", "100000", "1..1024"]),
+])
+def test_bench_cache_and_speed_check_their_flags_when_parsed(capsys, no_benchmark, argv, needles):
+    # --dtype and --cache-policy failed in each configuration's process, in 3 lines; --prefill abc
+    # was "invalid <lambda> value", --prefill 0 "the prompt is empty" after the bench started; -t
+    # 100000 reached torch (SIGSEGV or libgomp's abort).
+    assert_one_line_error(*run_cli(capsys, "bench", argv[0], "-m", str(ASSETS / "tiny-qwen3-moe"), *argv[1:]),
+                          *needles)
+
+
+def test_synth_q4_k_m_of_narrow_rows_takes_llama_cpps_fallback_types(capsys, tmp_path):
+    # --like tiny's rows (64 and 32 weights) are narrower than a Q4_K/Q6_K super-block of 256:
+    # gguf-py raised a ValueError traceback. llama.cpp's quantizer writes Q5_0/Q8_0 for such rows.
+    from gguf import GGUFReader
+
+    import expertcache
+
+    out = tmp_path / "tiny.gguf"
+    code, err = run_cli(capsys, "synth", "--like", "tiny", "--quant", "q4_k_m", "-o", str(out))
+    assert code == 0, err
+    types = {t.name: t.tensor_type.name for t in GGUFReader(out).tensors}
+    assert types["blk.0.ffn_up_exps.weight"] == "Q5_0" and types["output.weight"] == "Q8_0"
+    model = expertcache.load(out)
+    assert len(model.generate([1, 2, 3], max_tokens=2, ignore_eos=True).token_ids) == 2

@@ -58,12 +58,14 @@ def _edit_header(model: Path, edit) -> Path:
     return path
 
 
-def _info_fails(capsys, model: Path, *needles: str) -> None:
+def _info_fails(capsys, model: Path, *needles: str) -> str:
+    """`info` on `model` is a one-line error holding `needles`, and `load` raises the same line."""
     code, err = run_cli(capsys, "info", "-m", str(model))
     assert_one_line_error(code, err, *needles)
     with pytest.raises(ExpertCacheError) as e:
         expertcache.load(model)
     assert "\n" not in str(e.value) and all(n in str(e.value) for n in needles), str(e.value)
+    return str(e.value)
 
 
 def _overlap(header: dict, body: bytes) -> bytes:
@@ -153,6 +155,59 @@ def test_dense_layer_keys_of_the_wrong_kind_are_named(model, capsys, key, value,
     _info_fails(capsys, model, "config.json", needle)
 
 
+def test_a_missing_model_path_is_called_a_path(tmp_path, capsys):
+    # -m takes a directory or a GGUF file: "model directory 'nope.gguf' does not exist" misled.
+    code, err = run_cli(capsys, "run", "-m", str(tmp_path / "nope.gguf"), "-p", "w1")
+    assert_one_line_error(code, err, f"model path {str(tmp_path / 'nope.gguf')!r} does not exist",
+                          "a .gguf file")
+    assert "model directory '" not in err
+
+
+def test_a_config_that_cannot_be_read_is_not_called_invalid_json(model, capsys, monkeypatch):
+    # Was "config.json: not valid JSON: [Errno 13] Permission denied" (chmod does not stop root).
+    real = Path.read_bytes
+
+    def read_bytes(self):
+        if self.name == "config.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    _info_fails(capsys, model, "config.json: cannot read: Permission denied")
+    assert "JSON" not in run_cli(capsys, "info", "-m", str(model))[1]
+
+
+@pytest.mark.parametrize("edit,needle", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}},
+     "rope_scaling.original_max_position_embeddings 0: expected an integer >= 1"),
+    ({"rope_theta": 0}, "rope_theta 0: expected a positive number"),
+    ({"rope_theta": -1e6}, "rope_theta -1000000.0: expected a positive number"),
+    ({"rope_theta": "big"}, "rope_theta 'big': expected a positive number"),
+    ({"rope_scaling": {"type": "linear", "factor": 0}}, "rope_scaling.factor 0: expected a positive number"),
+    ({"rope_scaling": {"type": "linear", "factor": "two"}}, "rope_scaling.factor 'two': expected a positive number"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": -2.0}},
+     "rope_parameters.factor -2.0: expected a positive number"),
+    ({"rope_parameters": [1]}, "rope_parameters [1]: expected a JSON object"),
+    ({"rope_scaling": "yarn"}, "rope_scaling 'yarn': expected a JSON object"),
+])
+def test_rope_values_of_the_wrong_kind_are_named_when_opened(model, capsys, edit, needle):
+    # original_max_position_embeddings 0 passed `info`, then `run` raised "math domain error";
+    # a zero or negative theta or factor was taken; the others named no key.
+    raw = json.loads((model / "config.json").read_text())
+    raw.update(edit)
+    (model / "config.json").write_text(json.dumps(raw))
+    _info_fails(capsys, model, "config.json", needle)
+
+
+def test_a_rope_config_built_directly_is_checked_too():
+    from expertcache.config import RopeConfig
+
+    for bad in ({"theta": 0.0}, {"factor": -1.0}, {"type": "yarn", "original_max_position": 0}):
+        with pytest.raises(ExpertCacheError):
+            RopeConfig(**bad)
+    assert RopeConfig(type="yarn", factor=4.0, original_max_position=1024).inv_freq(16)[0].shape == (8,)
+
+
 # --- GGUF -------------------------------------------------------------------------------------
 
 _KEEP = object()
@@ -169,13 +224,7 @@ def _random_blocks(name: str, qtype: Q) -> tuple[np.ndarray, Q]:
     return np.random.default_rng(0).integers(0, 256, (*reversed(ne[1:]), ne[0] // block * size), np.uint8), qtype
 
 
-def _gguf_fails(capsys, path: Path, *needles: str) -> str:
-    code, err = run_cli(capsys, "info", "-m", str(path))
-    assert_one_line_error(code, err, *needles)
-    with pytest.raises(ExpertCacheError) as e:
-        expertcache.load(path)
-    assert "\n" not in str(e.value) and all(n in str(e.value) for n in needles), str(e.value)
-    return str(e.value)
+_gguf_fails = _info_fails
 
 
 def _s(v):

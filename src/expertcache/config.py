@@ -53,29 +53,70 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     truncate: bool = True
 
+    def __post_init__(self) -> None:
+        # What `inv_freq` takes the logarithm of or divides by: a zero or negative value there was a
+        # raw "math domain error" at the first run, after `info` had passed the config.
+        for name in ("theta", "factor", "beta_fast", "beta_slow"):
+            _check_positive(name, getattr(self, name))
+        if self.type == "yarn":
+            _check_int("original_max_position", self.original_max_position, 1)
+
     @classmethod
     def from_hf(cls, raw: dict, max_position: int) -> RopeConfig:
         # transformers 5.x: rope_parameters {rope_type, rope_theta, ...};
         # 4.x: rope_theta at top level and an optional rope_scaling {type|rope_type, factor, ...}.
-        params = dict(raw.get("rope_parameters") or {})
-        scaling = raw.get("rope_scaling") or {}
-        params = {**scaling, **params}
-        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-        kind = params.get("rope_type", params.get("type", "default")) or "default"
+        # Each value is checked here, under the key the config gives it, before `inv_freq` uses it.
+        given = {}
+        for section in ("rope_scaling", "rope_parameters"):
+            value = raw.get(section)
+            if value is not None and not isinstance(value, dict):
+                raise ExpertCacheError(f"{section} {value!r}: expected a JSON object of RoPE parameters "
+                                       "(rope_type, factor, ...)")
+            given.update({k: (f"{section}.{k}", v) for k, v in (value or {}).items()})
+
+        def key(name: str, *fallbacks: str, top: bool = False) -> tuple[str, object]:
+            """(the key as the config spells it, its value): the first of `name` and `fallbacks`
+            given in rope_parameters, then rope_scaling, then (`top`) at the top level."""
+            for k in (name, *fallbacks):
+                if given.get(k, (None, None))[1] is not None:
+                    return given[k]
+            return name, raw.get(name) if top else None
+
+        def number(name: str, default: float | None = None, *, top: bool = False,
+                   zero_is_default: bool = False) -> float | None:
+            where, value = key(name, top=top)
+            if value is None or (zero_is_default and value == 0 and not isinstance(value, bool)):
+                return default
+            return _check_positive(where, value)
+
+        kind = key("rope_type", "type")[1] or "default"
         if kind not in ("default", "linear", "yarn"):
             raise ExpertCacheError(f"unsupported rope type {kind!r}: expected default, linear or yarn")
-        factor = params.get("factor")
-        original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
-        if kind == "yarn" and original is None:
-            original = max_position
-        if kind == "yarn" and factor is None:
-            factor = max_position / original
+        theta = number("rope_theta", 10000.0, top=True)
+        factor = number("factor")
+        original = None
+        if kind == "yarn":
+            where, original = key("original_max_position_embeddings", top=True)
+            if original is None:
+                original = max_position
+            elif isinstance(original, bool) or not isinstance(original, int) or original < 1:
+                raise ExpertCacheError(f"{where} {original!r}: expected an integer >= 1 (the context the "
+                                       "model was trained on before YaRN)")
+            if factor is None:
+                factor = max_position / original
+        truncate_key, truncate = key("truncate")
+        if truncate is not None and not isinstance(truncate, bool):
+            raise ExpertCacheError(f"{truncate_key} {truncate!r}: expected true or false")
         return cls(
-            theta=float(theta), type=kind, factor=float(factor if factor is not None else 1.0),
+            theta=theta, type=kind, factor=factor if factor is not None else 1.0,
             original_max_position=original,
-            beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
-            attention_factor=params.get("attention_factor"), mscale=params.get("mscale"),
-            mscale_all_dim=params.get("mscale_all_dim"), truncate=bool(params.get("truncate", True)),
+            # 0 takes the default, as transformers reads them (`get("beta_fast") or 32`); a zero
+            # mscale is no mscale (`inv_freq`).
+            beta_fast=number("beta_fast", 32.0, zero_is_default=True),
+            beta_slow=number("beta_slow", 1.0, zero_is_default=True),
+            attention_factor=number("attention_factor"), mscale=number("mscale", zero_is_default=True),
+            mscale_all_dim=number("mscale_all_dim", zero_is_default=True),
+            truncate=truncate if truncate is not None else True,
         )
 
     def inv_freq(self, dim: int) -> tuple[torch.Tensor, float]:
@@ -194,6 +235,13 @@ class ModelConfig:
         return [i for i, sparse in enumerate(self.sparse_layers) if sparse]
 
 
+def _check_positive(name: str, value) -> float:
+    """`value` as a float if it is a finite number > 0; else an ExpertCacheError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ExpertCacheError(f"{name} {value!r}: expected a positive number")
+    return float(value)
+
+
 def _check_int(name: str, value, minimum: int) -> None:
     # bool is an int to Python, and 256.0 or "256" in a config is a writer's bug worth naming.
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -229,6 +277,7 @@ class CacheConfig:
 
     At most one of `experts` (slots in total), `mem` (bytes, or a size string such as '2GiB') and
     `fraction` (of all experts) sizes the cache; with none of them the cache holds every expert.
+    `resident` mode holds every expert and takes none of them.
     The config is complete and checked when built, before any weight is read. `mode=None` picks
     the mode from the other fields: `cache` when a size, another store or `verify` is given,
     `resident` otherwise. `trace_every` > 0 prints a counter line on stderr every that many ops.
@@ -267,8 +316,16 @@ class CacheConfig:
             raise ExpertCacheError(f"unknown cache policy {self.policy!r}: expected one of {', '.join(POLICY_NAMES)}")
         if len(given) > 1:
             raise ExpertCacheError(f"cache size given twice ({' and '.join(given)}): give one of experts, mem, fraction")
+        if self.mode == "resident" and given:
+            # Resident holds every expert: a size would be ignored without a word.
+            raise ExpertCacheError(f"cache mode 'resident' holds every expert and takes no cache size "
+                                   f"({given[0]}={getattr(self, given[0])!r}): give a size with mode 'cache' or "
+                                   "'staging', or none")
         if isinstance(self.mem, str):
-            object.__setattr__(self, "mem", parse_size(self.mem))
+            size = parse_size(self.mem)
+            if size < 1:  # '0.5' is 0 bytes: name the size as given, not what it rounded to
+                raise ExpertCacheError(f"cache mem {self.mem!r} must be at least 1 byte")
+            object.__setattr__(self, "mem", size)
         if self.mem is not None and (isinstance(self.mem, bool) or not isinstance(self.mem, int) or self.mem < 1):
             raise ExpertCacheError(f"cache mem {self.mem!r} must be a positive number of bytes")
         if self.experts is not None and (isinstance(self.experts, bool) or not isinstance(self.experts, int)

@@ -437,20 +437,20 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     options = LoadOptions(_device(device), parse_dtype(dtype), cache or CacheConfig(), ctx_size, kernels,
                           prefill_stretch, prefill_mem or LoadOptions.prefill_mem, activations)
     path = Path(path) if path is not None else default_model_path()
+    # A tokenizer directory of its own is read before the weights: a bad one fails at once.
+    own_tokenizer = Tokenizer(tokenizer) if tokenizer is not None else None
     if threads is not None:
         torch.set_num_threads(threads)
     cfg, net, experts = _assemble(path, options, None, None)
-    model = Model(path, options, cfg, net, _tokenizer(path, tokenizer), experts)
+    tok = own_tokenizer if own_tokenizer is not None else _tokenizer(path)
+    model = Model(path, options, cfg, net, tok, experts)
     model._wire_prefetch()
     return model
 
 
-def _tokenizer(path: Path, directory: str | os.PathLike | None) -> Tokenizer | None:
-    """The tokenizer from `directory` (a tokenizer.json and its config) when given; else the
-    model's: a GGUF file's metadata, or the checkpoint directory's tokenizer.json (None if it
-    has none)."""
-    if directory is not None:
-        return Tokenizer(directory)
+def _tokenizer(path: Path) -> Tokenizer | None:
+    """The model's tokenizer: a GGUF file's metadata, or the checkpoint directory's
+    tokenizer.json (None if it has none)."""
     from .gguf_tokenizer import tokenizer_parts_from_gguf
     from .models.gguf_loader import is_gguf
 

@@ -7,6 +7,7 @@ Both `commands/` and `bench/` import this; it imports only the library below the
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from .config import CACHE_MODES, DEFAULT_POLICY, POLICY_NAMES, PREFETCH_MODES, STORES, CacheConfig, check_min_prob
@@ -37,6 +38,32 @@ def nonneg_int(text: str) -> int:
     return _int_at_least(0, text)
 
 
+def finite_float(text: str) -> float:
+    """An argparse type: a float that is neither NaN nor infinite."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return v
+
+
+# The most CPU threads -t takes. Beyond what the OS lets a process create, libgomp aborts or the
+# process dies of SIGSEGV while torch starts them (-t 20000 and -t 100000 on a 2-core machine), long
+# after the flags were read; llama.cpp caps its -t at 512.
+THREADS_MAX = 1024
+
+
+def threads(text: str) -> int:
+    """An argparse type: a number of CPU threads, 1..THREADS_MAX."""
+    v = positive_int(text)
+    if v > THREADS_MAX:
+        raise argparse.ArgumentTypeError(f"{v} threads: expected 1..{THREADS_MAX} "
+                                         f"(this machine has {os.cpu_count()} CPUs)")
+    return v
+
+
 def size_bytes(text: str) -> int:
     """A positive size: '2GiB', '300MB' or a number of bytes."""
     from .config import parse_size
@@ -48,6 +75,18 @@ def size_bytes(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be at least 1 byte")
     return v
+
+
+def dtype_name(text: str) -> str:
+    """An argparse type: a compute dtype's name (float32, bfloat16, float16, ...), checked now and
+    kept as text, for the benchmarks that pass it on to another process."""
+    from .config import parse_dtype
+
+    try:
+        parse_dtype(text)
+    except ExpertCacheError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def add_prefill_flags(p) -> None:
@@ -83,7 +122,7 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
                    help="cache (default when a size is given), resident (every expert in fast memory) or staging")
     size = g.add_mutually_exclusive_group()
     size.add_argument("--cache-experts", type=positive_int, help="slots in the cache, in experts")
-    size.add_argument("--cache-mem", help="cache size in bytes: 300MB, 2GiB, ...")
+    size.add_argument("--cache-mem", type=size_bytes, metavar="SIZE", help="cache size in bytes: 300MB, 2GiB, ...")
     size.add_argument("--cache-fraction", type=float, help="cache size as a fraction of all experts")
     g.add_argument("--cache-policy", choices=POLICY_NAMES, default=DEFAULT_POLICY, metavar="POLICY",
                    help=f"eviction policy: {', '.join(POLICY_NAMES)} (default: {DEFAULT_POLICY})")
@@ -102,6 +141,12 @@ def cache_config(args) -> CacheConfig:
     """The cache flags as one checked config. EXPERTCACHE_CACHE_TRACE=1 prints a counter line
     every EXPERTCACHE_CACHE_TRACE_EVERY (default 100) MoE ops: read here, at the command line,
     and passed down, so the library itself reads no environment."""
+    if args.cache_mode == "resident":  # it holds every expert: a size would be ignored without a word
+        for flag, value in (("--cache-experts", args.cache_experts), ("--cache-mem", args.cache_mem),
+                            ("--cache-fraction", args.cache_fraction)):
+            if value is not None:
+                raise ExpertCacheError(f"--cache-mode resident holds every expert and takes no {flag}: "
+                                       "give a size with --cache-mode cache or staging, or none")
     trace = 0
     if os.environ.get("EXPERTCACHE_CACHE_TRACE") == "1":
         every = os.environ.get("EXPERTCACHE_CACHE_TRACE_EVERY", "100")

@@ -29,6 +29,9 @@ def _token_text(value) -> str | None:
 class Tokenizer:
     def __init__(self, directory: str | Path):
         d = Path(directory)
+        if not d.is_dir():  # a file (its config.json, say) or a typo: not "<path>/tokenizer.json: missing"
+            raise ExpertCacheError(f"tokenizer {str(directory)!r} is not an existing directory: expected a "
+                                   "directory with tokenizer.json")
         path = d / "tokenizer.json"
         if not path.exists():
             raise ExpertCacheError(f"{path}: missing (a model directory needs tokenizer.json)")

@@ -347,7 +347,8 @@ def _fractions(text: str) -> list[float]:
 
 
 def add_parser(suites) -> None:
-    from ..flags import add_kernels_flag, add_prefetch_width_flag, add_prefill_flags, positive_int
+    from ..config import POLICY_NAMES
+    from ..flags import add_kernels_flag, add_prefetch_width_flag, add_prefill_flags, dtype_name, positive_int, threads
 
     p = suites.add_parser("cache", help="resident vs staging vs cache at several capacities and slow tiers")
     p.add_argument("-m", "--model", required=True, help="checkpoint (use `expertcache synth` for real sizes)")
@@ -358,11 +359,14 @@ def add_parser(suites) -> None:
     p.add_argument("--decode", type=positive_int, default=32, help="decoded tokens (default: 32)")
     p.add_argument("--ubatch", type=positive_int, default=512)
     add_prefill_flags(p)
-    p.add_argument("-t", "--threads", type=positive_int, default=torch.get_num_threads())
-    p.add_argument("--dtype")
+    # Checked here, not when the first configuration's process starts (and then in 3 lines).
+    p.add_argument("-t", "--threads", type=threads, default=torch.get_num_threads())
+    p.add_argument("--dtype", type=dtype_name, help="compute dtype: float32, bfloat16 or float16 "
+                                                     "(default: the checkpoint's)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default: cpu)")
     add_kernels_flag(p)
-    p.add_argument("--cache-policy", default=None, help="eviction policy (default: the runtime's)")
+    p.add_argument("--cache-policy", choices=POLICY_NAMES, default=None, metavar="POLICY",
+                   help=f"eviction policy: {', '.join(POLICY_NAMES)} (default: the runtime's)")
     p.add_argument("--route-trace", help="force routing to follow a recorded trace (expertcache trace record); "
                                          "prefetch then plans the trace's recorded predictions")
     p.add_argument("--prefetch", choices=("auto", "on", "off", "both"), default="auto",

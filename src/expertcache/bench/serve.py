@@ -398,31 +398,62 @@ def cmd_bench_serve(args) -> int:
     return 0
 
 
+def _server_url(text: str) -> str:
+    """`--url`: a server's base URL, http:// or https:// with a host ('notaurl' was a ValueError
+    traceback from urllib at the first request)."""
+    import argparse
+    import urllib.parse
+
+    try:
+        parts = urllib.parse.urlsplit(text)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # noqa: B018 (a port that is not a number raises here)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a server URL: expected http://HOST:PORT or "
+                                         "https://HOST[:PORT]")
+    return text
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (NaN ran for no time, -1 started a server and gave up)."""
+    import argparse
+
+    from ..flags import finite_float
+
+    v = finite_float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text} seconds: expected a positive number")
+    return v
+
+
 def add_parser(suites) -> None:
-    from ..flags import add_cache_flags, add_kernels_flag, add_prefill_flags, positive_int
+    from ..flags import add_cache_flags, add_kernels_flag, add_prefill_flags, dtype_name, nonneg_int, positive_int, \
+        threads
 
     p = suites.add_parser("serve", help="measure an OpenAI-compatible server: steady, prefill or turns")
     p.add_argument("--suite", choices=SUITE_NAMES, required=True)
-    p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8080")
+    p.add_argument("--url", type=_server_url, help="a running server, e.g. http://127.0.0.1:8080")
     p.add_argument("--model-id", help="model name to send (default: the first of /v1/models)")
     p.add_argument("--prompt-tokens", type=positive_int,
                    help="prompt tokens per request (steady: default 512; prefill: default 2048)")
     p.add_argument("--max-tokens", type=positive_int, help="tokens generated per request (default: 128; turns: 64)")
-    p.add_argument("--duration", type=float, default=60.0, help="steady: seconds of measured requests (default: 60)")
-    p.add_argument("--warmup", type=int, default=1, help="steady: requests before measuring (default: 1)")
+    p.add_argument("--duration", type=_seconds, default=60.0, help="steady: seconds of measured requests (default: 60)")
+    p.add_argument("--warmup", type=nonneg_int, default=1, help="steady: requests before measuring (default: 1)")
     p.add_argument("--turn-tokens", type=positive_int, default=256, help="turns: user tokens per turn (default: 256)")
     p.add_argument("--target-ctx", type=positive_int, default=2048, help="turns: context to grow to (default: 2048)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: 600)")
+    p.add_argument("--timeout", type=_seconds, default=600.0, help="seconds per request (default: 600)")
     g = p.add_argument_group("A/B: start our server in each mode (instead of --url)")
     g.add_argument("-m", "--model", help="model directory to serve")
     g.add_argument("--compare", help="cache modes to serve in turn, the first is the control (e.g. staging,cache)")
-    g.add_argument("-t", "--threads", type=positive_int, help="CPU threads of the server (the same in every mode)")
+    g.add_argument("-t", "--threads", type=threads, help="CPU threads of the server (the same in every mode)")
     g.add_argument("-c", "--ctx-size", type=positive_int, help="context of the server's slot")
-    g.add_argument("--dtype")
+    g.add_argument("--dtype", type=dtype_name)
     add_kernels_flag(g)
     g.add_argument("--device", default="cpu")
     g.add_argument("--ubatch", type=positive_int, default=512)
     add_prefill_flags(g)
-    g.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default: 300)")
+    g.add_argument("--startup-timeout", type=_seconds, default=300.0, help="seconds to wait for /health (default: 300)")
     add_cache_flags(p)
     p.set_defaults(func=cmd_bench_serve)

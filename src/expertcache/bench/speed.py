@@ -574,19 +574,34 @@ def cmd_bench_speed(args) -> int:
     return 0
 
 
+def _lengths(text: str) -> list[int]:
+    """`--prefill`: prompt lengths, each a positive integer ('0' ran to "the prompt is empty")."""
+    import argparse
+
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid prompt lengths {text!r}: expected numbers of tokens "
+                                         "such as 256,512") from None
+    if not all(n >= 1 for n in out):
+        raise argparse.ArgumentTypeError(f"prompt lengths {text!r} must be at least 1 token each")
+    return out
+
+
 def add_parser(suites) -> None:
-    from ..flags import add_kernels_flag, positive_int
+    from ..flags import add_kernels_flag, dtype_name, positive_int, threads
     from .cache_bench import _fractions
 
     p = suites.add_parser("speed", help="decode/prefill speed, time split, bandwidth and FLOP/s vs the machine")
     p.add_argument("-m", "--model", required=True)
-    p.add_argument("-t", "--threads", type=positive_int, default=torch.get_num_threads())
+    p.add_argument("-t", "--threads", type=threads, default=torch.get_num_threads())
     p.add_argument("--decode", type=positive_int, default=32, help="decode steps (default: 32)")
-    p.add_argument("--prefill", type=lambda s: [int(x) for x in s.split(",")], default=list(PREFILLS),
+    p.add_argument("--prefill", type=_lengths, default=list(PREFILLS), metavar="N[,N...]",
                    help="prompt lengths (default: 256,512,2048)")
     p.add_argument("--fractions", type=_fractions, default=[0.25, 0.5, 0.75])
     p.add_argument("--ubatch", type=positive_int, default=512)
-    p.add_argument("--dtype")
+    p.add_argument("--dtype", type=dtype_name, help="compute dtype: float32, bfloat16 or float16 "
+                                                     "(default: the checkpoint's)")
     add_kernels_flag(p)
     p.add_argument("--vs-llamacpp", metavar="FILE.gguf", help="also run llama.cpp on these weights (llama-cpp-python)")
     p.add_argument("--pairs", type=positive_int, default=3,

@@ -326,9 +326,12 @@ def run_prompts(model, recorder: TraceRecorder, items: Sequence[dict], max_token
 # ---- files -------------------------------------------------------------------------------------
 
 
-def save_trace(trace: Trace, path: str | Path) -> None:
-    """Write `trace` as a compressed npz (the `.npz` suffix is not added: the path is used as given)."""
-    _check(trace, str(path))
+def save_trace(trace: Trace, path: str | Path, name: str | None = None) -> None:
+    """Write `trace` as a compressed npz (the `.npz` suffix is not added: the path is used as given).
+    `name`: the file errors name (default `path`): the output when `path` is a temporary file that
+    becomes it, which the user never gave and would not look for."""
+    name = str(path) if name is None else name
+    _check(trace, name)
     header = json.dumps(trace.header.as_json())
     try:
         with open(path, "wb") as f:
@@ -337,13 +340,24 @@ def save_trace(trace: Trace, path: str | Path) -> None:
                                 ids=trace.ids, pred=_pred(trace), predicted=_predicted(trace),
                                 **({PROB_ARRAY: trace.pred_prob} if trace.pred_prob is not None else {}))
     except OSError as e:
-        raise ExpertCacheError(f"cannot write trace {str(path)!r}: {e.strerror}") from None
+        raise ExpertCacheError(f"cannot write trace {name!r}: {e.strerror or e}") from None
+
+
+# The first bytes of a zip archive (an npz file is one): a local file header, or the end record
+# of an empty archive. Anything else is refused before numpy reads it, which would try it as a
+# pickle and answer with a paragraph about allow_pickle.
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
 
 
 def load_trace(path: str | Path) -> Trace:
     """Read and validate a trace; any problem is one `ExpertCacheError` naming the file."""
     name = str(path)
+    not_a_trace = f"{name}: not an expertcache trace: expected an .npz file written by `expertcache trace record`"
     try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic not in _ZIP_MAGIC:
+            raise ExpertCacheError(not_a_trace)
         with np.load(path, allow_pickle=False) as z:
             missing = [k for k in ("header", *ARRAYS) if k not in z.files]
             if missing:
@@ -355,9 +369,12 @@ def load_trace(path: str | Path) -> Trace:
         raise ExpertCacheError(f"cannot read trace {name!r}: no such file") from None
     except IsADirectoryError:
         raise ExpertCacheError(f"cannot read trace {name!r}: it is a directory") from None
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise ExpertCacheError(f"{name}: not an expertcache trace (a .npz file expected): "
-                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    except OSError as e:
+        if e.errno is not None:  # the file system's refusal (permissions, I/O), not the file's bytes
+            raise ExpertCacheError(f"cannot read trace {name!r}: {e.strerror}") from None
+        raise ExpertCacheError(f"{not_a_trace} ({_first_sentence(e)})") from None
+    except (ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise ExpertCacheError(f"{not_a_trace} ({_first_sentence(e)})") from None
     header, version = _parse_header(raw, name)
     if version < 3:
         prob = None  # not part of the format before version 3
@@ -375,6 +392,12 @@ def load_trace(path: str | Path) -> Trace:
                   arrays.get("pred"), arrays.get("predicted"), prob)
     _check(trace, name)
     return trace
+
+
+def _first_sentence(e: Exception) -> str:
+    """A library's error in a few words: its first sentence, or its type when it says nothing."""
+    text = str(e).strip()
+    return text.splitlines()[0].split(". ")[0].rstrip(".") if text else type(e).__name__
 
 
 def _pred(trace: Trace) -> np.ndarray:

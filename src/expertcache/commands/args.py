@@ -6,23 +6,11 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import math
-import os
 
 from ..errors import ExpertCacheError
-from ..flags import positive_int
+# Kept in `flags`, where the benchmarks (which may not import `commands`) find them too.
+from ..flags import finite_float, threads  # noqa: F401
 from ..sampling import SEED_MAX, SEED_MIN
-
-
-def finite_float(text: str) -> float:
-    """An argparse type: a float that is neither NaN nor infinite."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return v
 
 
 def seed(text: str) -> int:
@@ -33,21 +21,6 @@ def seed(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
     if not SEED_MIN <= v <= SEED_MAX:
         raise argparse.ArgumentTypeError(f"{text} is beyond 64 bits: a seed is in [{SEED_MIN}, {SEED_MAX}]")
-    return v
-
-
-# The most CPU threads -t takes. Beyond what the OS lets a process create, libgomp aborts or the
-# process dies of SIGSEGV while torch starts them (-t 20000 and -t 100000 on a 2-core machine), long
-# after the flags were read; llama.cpp caps its -t at 512.
-THREADS_MAX = 1024
-
-
-def threads(text: str) -> int:
-    """An argparse type: a number of CPU threads, 1..THREADS_MAX."""
-    v = positive_int(text)
-    if v > THREADS_MAX:
-        raise argparse.ArgumentTypeError(f"{v} threads: expected 1..{THREADS_MAX} "
-                                         f"(this machine has {os.cpu_count()} CPUs)")
     return v
 
 

@@ -42,7 +42,9 @@ def _measure(args, text: str, modes: list[str], base, labelled: bool):
     runs: dict[str, tuple[PerplexityResult, dict]] = {}
     ids = bos_id = path = None
     for mode in modes:
-        model = _load(args, dataclasses.replace(base, mode=mode))
+        # The size is the cache's and staging's: resident holds every expert and takes none.
+        unsized = {"experts": None, "mem": None, "fraction": None} if mode == "resident" else {}
+        model = _load(args, dataclasses.replace(base, mode=mode, **unsized))
         if ids is None:  # tokenize once, with the first model's tokenizer (all modes share it)
             ids, bos_id = _tokenize(model, text, args)
             path = str(model.path)

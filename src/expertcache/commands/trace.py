@@ -57,7 +57,7 @@ def cmd_record(args) -> int:
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         with writing(args.output):
-            save_trace(trace, tmp)
+            save_trace(trace, tmp, name=args.output)  # errors name the output, not the temporary file
             os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -31,8 +31,9 @@ from .mixers import Reader
 
 def read_config(directory: str | Path) -> tuple[ModelConfig, type[Architecture], dict]:
     d = Path(directory)
-    if not d.exists():
-        raise ExpertCacheError(f"model directory {str(d)!r} does not exist")
+    if not d.exists():  # -m takes a directory or a GGUF file: "model path", not "model directory"
+        raise ExpertCacheError(f"model path {str(d)!r} does not exist: expected a Hugging Face model directory "
+                               "or a .gguf file")
     if not d.is_dir():
         raise ExpertCacheError(f"model path {str(d)!r} is neither a directory nor a GGUF file: expected a "
                                "Hugging Face model directory or a .gguf file")
@@ -40,8 +41,12 @@ def read_config(directory: str | Path) -> tuple[ModelConfig, type[Architecture],
     if not path.exists():
         raise ExpertCacheError(f"{path}: missing (a model directory needs config.json)")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = path.read_bytes()
+    except OSError as e:  # the file system's refusal (permissions, I/O), not the file's content
+        raise ExpertCacheError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ExpertCacheError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ExpertCacheError(f"{path}: expected a JSON object")

@@ -137,7 +137,9 @@ def synth_gguf(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None 
                 w.add_tensor(name, (rng.standard_normal(shape) * shape[-1] ** -0.5).astype(np.float32))
             else:
                 layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
-                qtype = q4_k_m_type(name, layer, L)
+                # Rows narrower than a K-quant super-block (--like tiny's 64 and 32) take llama.cpp's
+                # fallback type, as for Gemma 4 below: gguf-py refused them with a raw ValueError.
+                qtype = with_fallback(q4_k_m_type(name, layer, L), shape[-1])
                 w.add_tensor(name, _blocks(rng, qtype, shape), raw_dtype=qtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
