@@ -465,14 +465,14 @@ def test_a_waved_op_takes_over_its_prefetched_hits_before_later_waves_reuse_thei
 
 def test_prefetch_config_and_where_auto_turns_it_on():
     assert CacheConfig().prefetch == "auto" and CacheConfig().prefetch_width == 1.0
-    on = {(mode, store, dev): CacheConfig(mode=mode, store=store, experts=4).prefetch_active(dev)
-          for mode in ("cache", "staging", "resident") for store in ("ram", "mmap", "disk")
-          for dev in ("cpu", "cuda")}
+    sized = {"cache": 4, "staging": 4, "resident": None}  # resident holds every expert and takes no size
+    on = {(mode, store, dev): CacheConfig(mode=mode, store=store, experts=sized[mode]).prefetch_active(dev)
+          for mode in sized for store in ("ram", "mmap", "disk") for dev in ("cpu", "cuda")}
     assert {k for k, v in on.items() if v} == {("cache", "ram", "cuda"), ("cache", "mmap", "cuda"),
                                                ("cache", "disk", "cuda")}
     # On a CPU, `auto` turns it on only for direct reads steered by fitted maps; in cache mode.
-    fitted = {mode: CacheConfig(mode=mode, store="disk", experts=4).prefetch_active("cpu", True)
-              for mode in ("cache", "staging", "resident")}
+    fitted = {mode: CacheConfig(mode=mode, store="disk", experts=sized[mode]).prefetch_active("cpu", True)
+              for mode in sized}
     assert fitted == {"cache": True, "staging": False, "resident": False}
     assert not CacheConfig(experts=4, store="disk", prefetch="off").prefetch_active("cpu", True)
     assert CacheConfig(experts=4, prefetch="on").prefetch_active("cpu")
