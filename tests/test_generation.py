@@ -110,3 +110,86 @@ def test_bad_sampling_values(model):
     for kwargs in ({"temperature": -1}, {"top_p": 0}, {"min_p": 2}, {"top_k": -1}, {"max_tokens": -1}):
         with pytest.raises(ExpertCacheError):
             model.generate(PROMPT, **kwargs)
+
+
+def test_streamed_text_never_holds_part_of_a_stop_string(model):
+    full = model.generate(PROMPT, max_tokens=12, ignore_eos=True)
+    words = full.text.split()
+    # Stop strings that begin in one token's text and end in a later one's.
+    for stop in (f"{words[2][-1]} {words[3]}", f"{words[4]} {words[5]} {words[6][:2]}"):
+        streamed = []
+        res = model.generate(PROMPT, max_tokens=12, stop=[stop], ignore_eos=True, on_text=streamed.append)
+        assert res.finish_reason == "stop" and res.text == full.text[: full.text.index(stop)]
+        assert "".join(streamed) == res.text
+    # A prefix of a stop string that the text then leaves is streamed after all.
+    streamed = []
+    res = model.generate(PROMPT, max_tokens=12, stop=[f"{words[3]} nothing"], ignore_eos=True,
+                         on_text=streamed.append)
+    assert res.finish_reason == "length" and "".join(streamed) == res.text == full.text
+
+
+def test_stop_may_be_one_string(model):
+    full = model.generate(PROMPT, max_tokens=12, ignore_eos=True)
+    stop = full.text.split()[3]
+    as_list = model.generate(PROMPT, max_tokens=12, stop=[stop], ignore_eos=True)
+    assert as_list.text and model.generate(PROMPT, max_tokens=12, stop=stop, ignore_eos=True).text == as_list.text
+
+
+def test_unseeded_sampling_leaves_torchs_generator_alone(model):
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    model.generate(PROMPT, max_tokens=2, temperature=0.8)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_api_misuse_is_an_error(model, tiny_checkpoint):
+    for kwargs, needle in (({"max_tokens": 2.5}, "max_tokens"), ({"max_tokens": None}, "max_tokens"),
+                           ({"temperature": "0.5"}, "temperature"), ({"temperature": 1, "top_k": 2.5}, "top_k"),
+                           ({"temperature": 1, "seed": 1.5}, "seed"), ({"session": object()}, "Session")):
+        with pytest.raises(ExpertCacheError, match=needle):
+            model.generate(PROMPT, **kwargs)
+    with pytest.raises(ExpertCacheError, match="nothing to process"):
+        model.logits([])
+    session = model.new_session()
+    model.prefill(session, PROMPT)
+    with pytest.raises(ExpertCacheError, match="truncate"):
+        session.truncate(-1)
+    assert session.kv.length == len(session.tokens) == len(PROMPT)
+    _, d = tiny_checkpoint("qwen3_moe", seed=1)
+    other = expertcache.load(d, ctx_size=64)
+    for call in (lambda: other.generate(PROMPT, max_tokens=2, session=session),
+                 lambda: other.prefill(session, PROMPT), lambda: other.generate(PROMPT, session=session.copy())):
+        with pytest.raises(ExpertCacheError, match="another model"):
+            call()
+    (d / "tokenizer.json").unlink()
+    bare = expertcache.load(d, ctx_size=64)
+    with pytest.raises(ExpertCacheError, match="tokenizer"):
+        bare.generate("w1 w2", max_tokens=2)
+    with pytest.raises(ExpertCacheError, match="tokenizer"):
+        bare.chat([{"role": "user", "content": "w1"}], max_tokens=2)
+    assert len(bare.generate(PROMPT, max_tokens=2, ignore_eos=True).token_ids) == 2
+
+
+def test_generation_config_eos_ends_generation(tiny_checkpoint):
+    import json
+
+    from transformers import GenerationConfig
+
+    _, d = tiny_checkpoint("qwen3_moe")
+    ids = expertcache.load(d, ctx_size=128).generate(PROMPT, max_tokens=8, ignore_eos=True).token_ids
+    end = next(t for t in ids[1:] if t != 1)  # an end-of-turn id named in generation_config.json alone
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, end]}))
+    assert end in GenerationConfig.from_pretrained(d).eos_token_id  # where transformers' generate stops
+    res = expertcache.load(d, ctx_size=128).generate(PROMPT, max_tokens=8)
+    assert res.token_ids == ids[: ids.index(end)] and res.finish_reason == "stop"
+
+
+def test_run_says_when_the_context_ends(tiny_checkpoint, capsys):
+    from conftest import run_cli
+
+    _, d = tiny_checkpoint("qwen3_moe")
+    code, err = run_cli(capsys, "run", "-m", str(d), "-p", "w1 w2 w3", "-n", "50", "-c", "8", "--ignore-eos")
+    assert code == 0 and "end of the context (8 tokens) after 6 of 50 tokens" in err
+    code, err = run_cli(capsys, "run", "-m", str(d), "-p", "w1 w2 w3", "-n", "4", "-c", "8", "--ignore-eos")
+    assert code == 0 and "context" not in err

@@ -6,6 +6,8 @@ and KV state of one conversation so that a later call can reuse its longest comm
 
 from __future__ import annotations
 
+import json
+import numbers
 import operator
 import os
 import sys
@@ -38,14 +40,20 @@ class Session:
     kv: KVCache
     tokens: list[int] = field(default_factory=list)
     version: int = 0
+    # The model whose `new_session` made it: another model's KV state has other shapes and
+    # other weights, and is never reused (None: built by hand, not checked).
+    owner: object = field(default=None, repr=False, compare=False)
 
     def copy(self) -> Session:
-        return Session(self.kv.copy(), list(self.tokens), self.version)
+        return Session(self.kv.copy(), list(self.tokens), self.version, self.owner)
 
     def truncate(self, n: int) -> int:
         """Keep at most the first n tokens; returns how many were kept (fewer than n where a
         recurrent state could only be restored from an earlier snapshot)."""
-        n = self.kv.truncate(n)
+        # A negative n would set the KV length below 0 and cut the token list from its end.
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ExpertCacheError(f"truncate({n!r}): expected a token count >= 0")
+        n = self.kv.truncate(int(n))
         del self.tokens[n:]
         return n
 
@@ -150,7 +158,7 @@ class Model:
 
     # ---- state ----
     def new_session(self) -> Session:
-        return Session(self.net.new_kv(self.ctx_size), version=self.version)
+        return Session(self.net.new_kv(self.ctx_size), version=self.version, owner=self)
 
     def telemetry(self) -> dict:
         return self.experts.telemetry()
@@ -228,6 +236,8 @@ class Model:
     def logits(self, token_ids) -> torch.Tensor:
         """One fresh forward over token_ids; logits [T, V]; no state is kept."""
         ids = self._as_tensor(token_ids)
+        if not len(ids):
+            raise ExpertCacheError("nothing to process: no token ids")
         self._check_fits(len(ids))
         self.begin_call()
         return self.net.forward(ids, self.net.new_kv(len(ids)))
@@ -248,6 +258,7 @@ class Model:
             raise ExpertCacheError(f"ubatch {ubatch} must be at least 1")
         if not token_ids:
             raise ExpertCacheError("nothing to process: the prompt is empty")
+        self._check_session(session)
         self._check_fits(session.kv.length + len(token_ids))
         if session.version != self.version:
             raise ExpertCacheError("the session was computed with weights that have since changed; "
@@ -305,6 +316,12 @@ class Model:
                 raise ExpertCacheError(f"token id {bad} out of range: the vocabulary has {self.cfg.vocab_size} tokens")
         return ids.to(self.net.device)
 
+    def _check_session(self, session) -> None:
+        if not isinstance(session, Session):
+            raise ExpertCacheError(f"session must be a Session (model.new_session()), got {type(session).__name__}")
+        if session.owner is not None and session.owner is not self:
+            raise ExpertCacheError("the session belongs to another model: start one with this model's new_session()")
+
     def _check_fits(self, n: int) -> None:
         if n > self.ctx_size:
             raise ExpertCacheError(f"{n} tokens do not fit the context of {self.ctx_size} tokens "
@@ -321,8 +338,13 @@ class Model:
         that have since changed is dropped, never reused). `on_text` receives each new piece of
         text; returning False stops generation. `should_stop` is asked between prefill
         micro-batches; a yes ends the call with finish reason `abort`."""
-        if max_tokens < 0:
-            raise ExpertCacheError(f"max_tokens {max_tokens} must be >= 0")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 0:
+            raise ExpertCacheError(f"max_tokens {max_tokens!r} must be an integer >= 0")
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ExpertCacheError(f"{self.path}: a text prompt needs a tokenizer, and this model has none "
+                                   "(tokenizer.json is missing): pass token ids")
+        if isinstance(stop, str):  # one stop string, not one per character
+            stop = [stop]
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ExpertCacheError("the prompt is empty")
@@ -331,6 +353,7 @@ class Model:
         self.begin_call()
         if session is None:
             session = self.new_session()
+        self._check_session(session)
         if session.version != self.version:
             session.truncate(0)
             session.version = self.version
@@ -346,7 +369,9 @@ class Model:
         out: list[int] = []
         decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
         text = ""
+        sent = 0  # characters of `text` passed to on_text
         finish = "length"
+        at_stop_string = False
         stop = [s for s in (stop or []) if s]
         while len(out) < max_tokens:
             tok = sampler(logits)
@@ -355,19 +380,22 @@ class Model:
                 break
             out.append(tok)
             if decoder is not None:
-                piece = decoder.push(tok)
-                text += piece
+                text += decoder.push(tok)
                 hit = _find_stop(text, stop)
                 if hit is not None:
-                    piece = piece[: max(0, hit - (len(text) - len(piece)))]
                     text = text[:hit]
-                    if on_text and piece:
-                        on_text(piece)
-                    finish = "stop"
+                    if on_text and hit > sent:
+                        on_text(text[sent:])
+                    finish, at_stop_string = "stop", True
                     break
-                if on_text and piece and on_text(piece) is False:
-                    finish = "abort"
-                    break
+                # Text that may be the start of a stop string is held back until the next
+                # tokens show it is not: streamed text never holds part of a stop string.
+                ready = len(text) - held_back(text, stop)
+                if on_text and ready > sent:
+                    piece, sent = text[sent:ready], ready
+                    if on_text(piece) is False:
+                        finish = "abort"
+                        break
             if len(out) == max_tokens or session.kv.length >= self.ctx_size:
                 break
             # A sampled token is in range by construction: no validation on the per-token path.
@@ -375,15 +403,17 @@ class Model:
             logits = self.net.forward(step, session.kv, all_logits=False)[-1]
             session.tokens.append(tok)
         t2 = time.perf_counter()
-        if decoder is not None and finish != "stop":
-            # Flush what the stream decoder held back (an incomplete UTF-8 tail).
+        if decoder is not None and not at_stop_string:
+            # Flush what was held back: an incomplete UTF-8 tail, the start of a stop string.
             full = self.tokenizer.decode(out)
-            if on_text and full.startswith(text) and len(full) > len(text):
-                on_text(full[len(text):])
+            if on_text and full.startswith(text[:sent]) and len(full) > sent:
+                on_text(full[sent:])
             text = full
         return GenerationResult(text, out, len(ids), cached, finish, t1 - t0, t2 - t1)
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
+        if self.tokenizer is None:
+            raise ExpertCacheError(f"{self.path}: chat needs a tokenizer, and this model has none (tokenizer.json is missing)")
         ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         return self.generate(ids, **kwargs)
 
@@ -400,6 +430,18 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def _find_stop(text: str, stops: list[str]) -> int | None:
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else None
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many characters at the end of `text` could still begin one of `stops` (0 if none):
+    what `generate` holds back from `on_text` until the next tokens show it is not a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
 
 
 def default_model_path() -> Path:
@@ -444,6 +486,7 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     cfg, net, experts = _assemble(path, options, None, None)
     tok = own_tokenizer if own_tokenizer is not None else _tokenizer(path)
     model = Model(path, options, cfg, net, tok, experts)
+    model.eos_ids |= _generation_eos(path, cfg.vocab_size)
     model._wire_prefetch()
     return model
 
@@ -460,6 +503,25 @@ def _tokenizer(path: Path) -> Tokenizer | None:
         gg = GGUFCheckpoint(path)
         return Tokenizer.from_parts(*tokenizer_parts_from_gguf(gg.metadata, str(gg.files[0])))
     return Tokenizer(path) if (path / "tokenizer.json").exists() else None
+
+
+def _generation_eos(path: Path, vocab_size: int) -> set[int]:
+    """The ids generation_config.json ends generation at (`eos_token_id`, one or a list), as
+    transformers' generate does: instruct checkpoints often name their end-of-turn token there
+    alone (config.json holding only the end-of-text one)."""
+    f = path / "generation_config.json"
+    if not f.is_file():
+        return set()
+    try:
+        raw = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ExpertCacheError(f"{f}: not valid JSON: {e}") from None
+    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    for t in eos:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ExpertCacheError(f"{f}: eos_token_id {t!r} is not a token id of the vocabulary of {vocab_size}")
+    return set(eos)
 
 
 def _device(device: str | torch.device) -> torch.device:

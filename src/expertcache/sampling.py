@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,15 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        # Types first: from the Python API a str or float would otherwise pass as a TypeError from a
+        # comparison here, or from torch after the whole prompt was processed (top_k, seed).
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ExpertCacheError(f"{name} {value!r} must be a number")
+        for name, value in (("top_k", self.top_k), ("seed", 0 if self.seed is None else self.seed)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ExpertCacheError(f"{name} {value!r} must be an integer")
         if not 0 <= self.temperature < math.inf:  # also refuses NaN
             raise ExpertCacheError(f"temperature {self.temperature} must be a finite number >= 0")
         if self.top_k < 0:
@@ -39,7 +50,9 @@ class Sampler:
     def __init__(self, params: SamplingParams):
         self.p = params
         self.gen = torch.Generator()
-        self.gen.manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
+        # Without a seed, one from the OS: torch.seed() would reseed torch's global generator too,
+        # undoing a caller's torch.manual_seed for everything that follows.
+        self.gen.manual_seed(int(params.seed) if params.seed is not None else int.from_bytes(os.urandom(8)) % 2**63)
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [V] -> token id."""
@@ -52,7 +65,7 @@ class Sampler:
         logits = logits.float()
         logits = (logits - logits.max()) / max(p.temperature, _TINY)
         if p.top_k and p.top_k < logits.shape[0]:
-            kth = torch.topk(logits, p.top_k).values[-1]
+            kth = torch.topk(logits, int(p.top_k)).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         if p.top_p < 1.0:

@@ -43,9 +43,19 @@ def cmd_run(args) -> int:
         print(json.dumps(_result_json(model, res)))
     else:
         sys.stdout.write("\n")
+        _context_notice(model, res, args.n_predict)
         print(f"[prompt {res.prompt_tokens} tok, {res.prompt_tps:.1f} tok/s | "
               f"generated {len(res.token_ids)} tok, {res.gen_tps:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def _context_notice(model, res, n_predict: int) -> None:
+    """One line when generation ended at the end of the context rather than after -n tokens:
+    both are finish reason `length`, and the text alone does not say it was cut."""
+    if res.finish_reason == "length" and len(res.token_ids) < n_predict:
+        sys.stdout.flush()
+        print(f"expertcache: stopped at the end of the context ({model.ctx_size} tokens) after "
+              f"{len(res.token_ids)} of {n_predict} tokens (raise -c/--ctx-size)", file=sys.stderr, flush=True)
 
 
 def _check_tokenizer_file(model_dir: str | None) -> None:
@@ -90,6 +100,7 @@ def _chat_loop(model, gen, args) -> int:
 
         res = model.generate(ids, session=session, on_text=stream, **gen)
         sys.stdout.write("\n")
+        _context_notice(model, res, args.n_predict)
         messages.append({"role": "assistant", "content": res.text})
     return 0
 

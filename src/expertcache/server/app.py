@@ -22,7 +22,6 @@ from .dashboard import add_dashboard
 from .limits import MAX_BODY_BYTES, read_body
 from .metrics import make_registry
 from .slots import Job, Scheduler
-from .stream import StopGuard
 
 # While a non-streaming request waits, how often to check whether its client left.
 DISCONNECT_POLL_S = 0.1
@@ -179,7 +178,6 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
 
     async def _stream(job: Job, events: asyncio.Queue, item, rid: str, chat: bool, include_usage: bool):
         created = int(time.time())
-        guard = StopGuard(job.gen["stop"])
 
         def chunk(delta: dict | str, finish: str | None = None, timings: dict | None = None) -> bytes:
             """A chat delta or a completion's text; with include_usage, "usage": null as OpenAI's."""
@@ -192,10 +190,10 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
         try:
             if chat:
                 yield chunk({"role": "assistant", "content": ""})
+            # The engine's pieces never hold the start of a stop string (`Model.generate` holds it
+            # back until it is ruled out) and add up to the answer's text: a stream is the same text.
             while item[0] == "text":
-                piece = guard.push(item[1])
-                if piece:
-                    yield chunk({"content": piece} if chat else piece)
+                yield chunk({"content": item[1]} if chat else item[1])
                 item = await events.get()
             _, res, err = item
             if err is not None or res is None:
@@ -203,9 +201,6 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
                 yield P.sse(_error_of(e).body())
             else:
                 res: GenerationResult
-                rest = guard.finish(res.text)
-                if rest:
-                    yield chunk({"content": rest} if chat else rest)
                 # The last chunk carries the finish reason and llama-server's timings.
                 yield chunk({} if chat else "", P.finish_reason(res), timings=res.timings())
                 if include_usage:
