@@ -151,6 +151,26 @@ def test_resize_while_loaded(checkpoints, reference_logits):
     assert after["total"]["ops_seen"] == 2 * before["total"]["ops_seen"]  # counters survive a resize
 
 
+def test_a_refused_resize_leaves_the_cache_working(checkpoints, reference_logits):
+    model = expertcache.load(checkpoints["plain"], cache=CacheConfig(mode="cache", experts=5))
+    model.logits(IDS)
+    slot = model.experts.slot_bytes
+    with pytest.raises(ExpertCacheError, match="too small for one wave"):
+        model.resize_cache(CacheConfig(mode="cache", mem=slot - 1))
+    # Another store would be ignored by a resize: refused by name, nothing changed.
+    with pytest.raises(ExpertCacheError, match="keeps the store 'ram'"):
+        model.resize_cache(CacheConfig(mode="cache", experts=5, store="disk"))
+    assert model.experts.capacity == 5 and model.experts.config.store == "ram"
+    assert torch.equal(model.logits(IDS), reference_logits)
+    model.resize_cache(CacheConfig(mode="cache", mem=slot))
+    assert model.experts.capacity == 1 and torch.equal(model.logits(IDS), reference_logits)
+    # A config left at the default store keeps the model's, and says so.
+    disk = expertcache.load(checkpoints["plain"], cache=CacheConfig(mode="cache", experts=5, store="disk"))
+    disk.resize_cache(CacheConfig(mode="cache", experts=7))
+    assert disk.experts.store.name == disk.experts.config.store == "disk" and disk.experts.capacity == 7
+    assert torch.equal(disk.logits(IDS), reference_logits)
+
+
 def _check_counters(t: dict, expert_bytes: int) -> None:
     assert t["resident_hits"] + t["resident_misses"] == t["used_experts_unique"]
     assert t["copied_bytes"] == t["copied_experts"] * expert_bytes
@@ -231,6 +251,15 @@ def test_run_json_reports_hit_rate(checkpoints, capsys):
 ])
 def test_bad_cache_flags(checkpoints, capsys, argv, needle):
     assert_one_line_error(*run_cli(capsys, "run", "-m", str(checkpoints["plain"]), "-p", "w1", *argv), needle)
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("fraction", True, "cache fraction True"), ("fraction", float("nan"), "cache fraction nan"),
+    ("fraction", 0, "cache fraction 0"), ("experts", True, "cache experts True"), ("mem", 0, "cache mem 0"),
+])
+def test_bad_cache_config_values_are_refused_by_name(field, value, needle):
+    with pytest.raises(ExpertCacheError, match=needle):
+        CacheConfig(mode="cache", **{field: value})
 
 
 def test_interrupted_pack_leaves_nothing(checkpoints, tmp_path, monkeypatch):

@@ -166,6 +166,54 @@ def test_failed_copies_never_leave_a_slot_claiming_an_expert(versions, cache):
     assert 0 < failed <= flaky.failures == model.telemetry()["copy_failures"]
 
 
+@pytest.mark.parametrize("store", ["disk", "mmap"])
+def test_a_failed_refill_of_resident_slots_leaves_none_claiming_an_expert(versions, tmp_path, monkeypatch, store):
+    from expertcache.tiers.store import DiskStore
+
+    old, new = versions
+    work = _work(tmp_path, old)
+    model = expertcache.load(work, cache=CacheConfig(mode="resident", store=store))
+    model.logits(IDS)
+    _replace_atomically(new / "model.safetensors", work / "model.safetensors")
+    read, reads = DiskStore._read, []
+
+    def failing(self, seg, targets):  # the reload's refill fails at its second read
+        reads.append(seg)
+        if len(reads) == 2:
+            raise CopyError("injected failure")
+        return read(self, seg, targets)
+
+    monkeypatch.setattr(DiskStore, "_read", failing)
+    with pytest.raises(CopyError):
+        model.logits(IDS)
+    monkeypatch.setattr(DiskStore, "_read", read)
+    cache = model.experts
+    for s in range(cache.capacity):
+        key = cache.residency.key_in(s)
+        assert key is None or (cache.content[s] is not None and cache.content[s].key == key)
+    # The next call runs on the new weights alone (dense and experts), and resident mode is whole again.
+    assert torch.equal(model.logits(IDS), expertcache.load(new).logits(IDS))
+    assert len(cache.residency) == cache.capacity
+
+
+def test_a_replacement_whose_experts_outgrow_the_cache_fails_every_call_clearly(versions, tmp_path):
+    old, _ = versions
+    work = _work(tmp_path, old)
+    config = tiny_config("qwen3_moe", experts=8, top_k=2)
+    config.moe_intermediate_size *= 2
+    wide = save_checkpoint(build_reference(config), tmp_path / "wide")
+    model = expertcache.load(work, cache=CacheConfig(mode="cache", mem=expertcache.load(old).experts.slot_bytes))
+    expected = model.logits(IDS)
+    for name in ("model.safetensors", "config.json"):
+        _replace_atomically(wide / name, work / name)
+    for _ in range(2):  # the cache is left as it was, not half-switched: the same clear error again
+        with pytest.raises(ExpertCacheError, match="too small for one wave"):
+            model.logits(IDS)
+    for name in ("model.safetensors", "config.json"):
+        _replace_atomically(old / name, work / name)
+    assert torch.equal(model.logits(IDS), expected)
+
+
 def _chat(client, words: str, n: int = 8) -> dict:
     return client.post("/v1/completions", json={"prompt": words, "max_tokens": n, "temperature": 0,
                                                 "ignore_eos": True})

@@ -331,7 +331,9 @@ class CacheConfig:
         if self.experts is not None and (isinstance(self.experts, bool) or not isinstance(self.experts, int)
                                          or self.experts < 1):
             raise ExpertCacheError(f"cache experts {self.experts!r} must be an integer >= 1")
-        if self.fraction is not None and not (isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1):
+        # bool is an int to Python: fraction=True would be a whole cache without a word.
+        if self.fraction is not None and (isinstance(self.fraction, bool) or not (
+                isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1)):
             raise ExpertCacheError(f"cache fraction {self.fraction!r} must be in (0, 1]")
         _check_int("trace_every", self.trace_every, 0)
         if self.prefetch not in PREFETCH_MODES:

@@ -164,7 +164,9 @@ class Model:
         return self.experts.telemetry()
 
     def resize_cache(self, cache: CacheConfig) -> None:
-        """Reallocate the expert cache at another size or mode; its slots are invalidated (reason `pool`)."""
+        """Reallocate the expert cache at another size, mode, policy or prefetch; its slots are
+        invalidated (reason `pool`). The store stays the one the model was loaded with: a config
+        left at the default store takes it, one naming another store is refused."""
         maps = self._load_maps(cache.predictor)  # before anything changes: a bad file changes nothing
         self.experts.resize(cache)
         self.predictor_maps = maps

@@ -29,6 +29,7 @@ as a failed demand copy does.
 
 from __future__ import annotations
 
+
 import functools
 import os
 import time
@@ -36,7 +37,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Iterator, Sequence, Set
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm import tqdm
@@ -76,6 +77,9 @@ class ExpertCache:
         self.predict: Predict | None = None  # set by the engine when prefetch is active
         self.fitted_predictor = False  # set by the engine: fitted maps, not the routers, predict
         self._worker: CopyWorker | None = None
+        # Set while `set_store` has not completed: the next call opens the checkpoint again, so
+        # that the engine never computes with weights of one version and experts of another.
+        self._switching = False
         self._allocate(self._capacity_for(config))
 
     def _adopt_geometry(self, store: ExpertStore) -> None:
@@ -90,25 +94,29 @@ class ExpertCache:
     def total_experts(self) -> int:
         return self.num_experts * len(self.moe_layers)
 
-    def _capacity_for(self, config: CacheConfig) -> int:
+    def _capacity_for(self, config: CacheConfig, store: ExpertStore | None = None) -> int:
+        """Slots for `config` over `store`'s geometry (the current store's by default)."""
+        src = (store or self.store).source
+        slot_bytes = (store or self.store).slot_bytes
         if config.mode == "staging" and not config.sized:
-            return self.num_experts  # room for any one op
-        n = config.slots_for(self.total_experts, self.slot_bytes)
+            return src.num_experts  # room for any one op
+        n = config.slots_for(src.num_experts * len(src.layers), slot_bytes)
         if n < 1:
             raise ExpertCacheError(f"cache of {config.mem} bytes is too small for one wave: one expert slot "
-                                   f"needs {self.slot_bytes} bytes")
+                                   f"needs {slot_bytes} bytes")
         return n
 
     def _allocate(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._pending: dict[int, tuple[CopyJob, int]] = {}  # slot -> the prefetch copy planned into it
-        self._op_reads: Set[tuple[int, ExpertKey]] = frozenset()  # (slot, key) the op in flight reads
-        self._jobs: list[CopyJob] = []  # prefetch jobs submitted and not yet reaped
+        # The pool first: a failed allocation leaves the cache as it was.
         try:
-            self.pool = host_zeros((capacity, self.slot_bytes), torch.uint8, self.device)  # [S, slot bytes]
+            pool = host_zeros((capacity, self.slot_bytes), torch.uint8, self.device)  # [S, slot bytes]
         except (RuntimeError, MemoryError) as e:
             raise ExpertCacheError(f"cannot allocate {capacity} expert slots "
                                    f"({capacity * self.slot_bytes / 2**20:.0f} MiB): {e}") from None
+        self.capacity, self.pool = capacity, pool
+        self._pending: dict[int, tuple[CopyJob, int]] = {}  # slot -> the prefetch copy planned into it
+        self._op_reads: Set[tuple[int, ExpertKey]] = frozenset()  # (slot, key) the op in flight reads
+        self._jobs: list[CopyJob] = []  # prefetch jobs submitted and not yet reaped
         # Each slot's views in each layer format, made once: they stay valid as long as the pool.
         by_format: dict[ExpertFormat, list[ExpertWeights]] = {}
         for fmt in self.formats.values():
@@ -127,20 +135,43 @@ class ExpertCache:
         big = sum(self.expert_bytes.values()) * self.num_experts >= LARGE_LOAD_BYTES
         for layer in tqdm(self.moe_layers, desc="filling slots", unit="layer", leave=False, disable=not big):
             plan = self.residency.plan(layer, list(range(self.num_experts)))
-            for wave in plan.waves:
-                self._copy_wave(layer, wave)
-                self.telemetry_.load_copied_experts += len(wave.fills)
-                self.telemetry_.load_copied_bytes += len(wave.fills) * self.expert_bytes[layer]
+            done = 0
+            try:
+                for wave in plan.waves:
+                    self._copy_wave(layer, wave)
+                    self.telemetry_.load_copied_experts += len(wave.fills)
+                    self.telemetry_.load_copied_bytes += len(wave.fills) * self.expert_bytes[layer]
+                    done += 1
+            finally:
+                # A failed copy (a reload's refill, a resize) leaves the experts not copied out of
+                # the bookkeeping, as in an op: an op that needs one copies it on demand.
+                if done < len(plan.waves):
+                    self._unplan(layer, plan.waves[done:])
         self.transfers.synchronize()
 
     def resize(self, config: CacheConfig) -> None:
-        """Reallocate the pool at a new size; every slot is invalidated (reason `pool`)."""
+        """Reallocate the pool at a new size; every slot is invalidated (reason `pool`). A size
+        that does not fit one expert, or a pool that cannot be allocated, leaves the cache as it
+        was (its slots emptied, in the second case)."""
+        if config.store != self.store.name:
+            # The slow tier is the model's: a resize keeps it. A config left at the default store
+            # takes the model's (README's `resize_cache(CacheConfig(mode=..., experts=...))`); one
+            # naming another would be ignored, so it is refused.
+            if config.store != CacheConfig().store:
+                raise ExpertCacheError(f"a resize keeps the store {self.store.name!r} the model was loaded with, "
+                                       f"not {config.store!r}: load the model again to change it")
+            config = replace(config, store=self.store.name)
+        capacity = self._capacity_for(config)
         self.quiesce()
         self._invalidate_all("pool")
-        self.config = config
-        self.mode = config.mode
-        self.pool = None
-        self._allocate(self._capacity_for(config))
+        old, pool = (self.config, self.mode), self.pool
+        self.config, self.mode = config, config.mode
+        try:
+            self._allocate(capacity)
+        except ExpertCacheError:
+            if self.pool is pool:  # not allocated: the old pool stays, and with it the old config
+                self.config, self.mode = old
+            raise
 
     # ---- one op ----
     def acquire(self, layer: int, experts: Sequence[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
@@ -521,6 +552,8 @@ class ExpertCache:
 
     # ---- invalidation ----
     def source_changed(self) -> bool:
+        if self._switching:  # a switch to a new store failed part-way: open the checkpoint again
+            return True
         for path, version in self.store.versions.items():
             try:
                 if file_version(path) != version:
@@ -535,6 +568,12 @@ class ExpertCache:
         self.quiesce()
         old = self.store
         src = store.source
+        try:
+            capacity = self._capacity_for(self.config, store)
+        except ExpertCacheError:
+            store.close()  # refused before anything changed: the old store stays, and so does the change
+            raise
+        self._switching = True
         if src.num_experts != self.num_experts or list(src.layers) != self.moe_layers:
             reason = "expert_count"
         elif store.formats != self.formats:
@@ -551,14 +590,15 @@ class ExpertCache:
             self._invalidate_all(reason)
             self._adopt_geometry(store)
             self.telemetry_.expert_bytes = self.expert_bytes
-            self.pool = None
-            self._allocate(self._capacity_for(self.config))
+            self._allocate(capacity)
+            self._switching = False
             return {reason: 1}
         stale = [c.key for c in self.content
                  if c is not None and store.versions.get(store.file_of(c.key.layer, c.key.expert)) != c.version]
         self._invalidate(stale, reason)
-        if self.mode == "resident" and stale:
+        if self.mode == "resident":  # also the experts an earlier, failed refill left out
             self._fill_all()
+        self._switching = False
         return {reason: len(stale)}
 
     def _invalidate(self, keys: list[ExpertKey], reason: str) -> None:
