@@ -177,3 +177,19 @@ def test_context_above_training_context_warns(tiny_checkpoint, tmp_path, capsys)
     code, out, err = run_json(capsys, "-m", d, "-f", tmp_path / "text.txt", "-c", 32)
     assert code == 0 and out["chunks"] == 2
     assert "trained on only 16 context tokens (32 specified)" in err
+
+
+def test_a_perplexity_past_a_double_is_inf_not_a_crash(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    # A model far off on the text (a broken checkpoint): a mean NLL above ~709.8 nats overflows
+    # math.exp. llama-perplexity's std::exp prints inf; the running values and the estimate say inf.
+    import expertcache.perplexity as ppl_module
+
+    _, d = tiny_checkpoint("qwen3_moe", layers=1)
+    write_text(tmp_path / "text.txt", 2 * 16)
+    real = ppl_module.token_nll
+    monkeypatch.setattr(ppl_module, "token_nll", lambda logits, targets: real(logits, targets) * 1e3 + 1e3)
+    assert main(["perplexity", "-m", str(d), "-f", str(tmp_path / "text.txt"), "-c", "16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "[1]inf,[2]inf," and lines[1].startswith("Final estimate: PPL = inf")
+    code, out, _ = run_json(capsys, "-m", d, "-f", tmp_path / "text.txt", "-c", 16)
+    assert code == 0 and out["ppl"] == math.inf and out["chunk_ppl"] == [math.inf, math.inf]

@@ -420,3 +420,44 @@ def test_a_floor_on_a_trace_without_probabilities_is_one_line_before_anything_ru
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "needs a trace with the predictions' probabilities" in err, (argv, err)
+
+
+def test_settings_that_would_be_ignored_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    # A setting nothing reads was taken without a word: the prefetch width or floor of `simulate`
+    # without --prefetch, the width of `stats` without a floor (its columns are always 1, 1.5, 2),
+    # a floor on a trace without predictions, an infinite ridge (maps that predict nothing).
+    v1, v2 = str(_write(tmp_path / "v1.npz")), str(_write2(tmp_path / "v2.npz"))
+    for argv, message in [
+        (["trace", "simulate", v2, "--prefetch-width", "2"], "add --prefetch"),
+        (["trace", "simulate", v2, "--prefetch-min-prob", "0.5"], "add --prefetch"),
+        (["trace", "stats", v2, "--prefetch-width", "2"], "add --prefetch-min-prob"),
+        (["trace", "stats", v1, "--prefetch-min-prob", "0.5"], "needs a trace with predictions"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (argv, err)
+    assert main(["trace", "simulate", v2, "--prefetch", "--prefetch-width", "2", "--capacity", "2"]) == 0
+    capsys.readouterr()
+    text = tmp_path / "t.txt"
+    text.write_text("w1 w2")
+    with pytest.raises(SystemExit) as e:
+        main(["trace", "fit-predictor", "-f", str(text), "--ridge", "inf", "-o", str(tmp_path / "p.safetensors")])
+    assert e.value.code == 2 and "'inf' is not a finite number" in capsys.readouterr().err
+
+    # --held-out 0: no recall to report, said in words rather than as a table with no rows
+    import expertcache.models.linear_predictor as lp
+
+    class Maps:
+        meta: dict = {}
+
+        def save(self, path):
+            Path(path).write_bytes(b"maps")
+
+    monkeypatch.setattr(lp, "split_tokens", lambda *a, **k: (1, 0))
+    monkeypatch.setattr(lp, "fit", lambda model, ids, **k: (Maps(), {"fit_tokens": len(ids), "held_out_tokens": 0,
+                                                                       "layers": {}}))
+    assert main(["trace", "fit-predictor", "-f", str(text), "--held-out", "0",
+                 "-o", str(tmp_path / "p.safetensors")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "no tokens held out (--held-out 0): recall not measured" in lines[0] and lines[1].startswith("wrote")
+    assert json.loads(lines[-1])["held_out_tokens"] == 0

@@ -20,6 +20,15 @@ from .errors import ExpertCacheError
 # S = scored positions in a chunk, V = vocabulary.
 
 
+def exp_nll(mean: float) -> float:
+    """exp(mean NLL): inf where it overflows a double (math.exp raises there), as llama-perplexity's
+    std::exp prints it: a model far off on the text still reports, and does not crash."""
+    try:
+        return math.exp(mean)
+    except OverflowError:
+        return math.inf
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkResult:
     """One chunk: the sum of the scored tokens' negative log-likelihoods (fp64), of their squares,
@@ -33,7 +42,7 @@ class ChunkResult:
 
     @property
     def ppl(self) -> float:
-        return math.exp(self.nll / self.count)
+        return exp_nll(self.nll / self.count)
 
 
 @dataclass(slots=True)
@@ -56,12 +65,12 @@ class PerplexityResult:
         out, nll, n = [], 0.0, 0
         for c in self.chunks:
             nll, n = nll + c.nll, n + c.count
-            out.append(math.exp(nll / n))
+            out.append(exp_nll(nll / n))
         return out
 
     @property
     def ppl(self) -> float:
-        return math.exp(sum(c.nll for c in self.chunks) / self.count)
+        return exp_nll(sum(c.nll for c in self.chunks) / self.count)
 
     @property
     def uncertainty(self) -> float | None:
@@ -73,7 +82,7 @@ class PerplexityResult:
         var = sum(c.nll2 for c in self.chunks) / n - mean * mean
         if not var > 0 or n < 2:
             return None
-        return math.sqrt(var / (n - 1)) * math.exp(mean)
+        return math.sqrt(var / (n - 1)) * exp_nll(mean)
 
 
 def num_chunks(n_tokens: int, n_ctx: int, max_chunks: int | None = None) -> int:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 
 from ..config import CACHE_MODES
 from ..errors import ExpertCacheError
-from ..perplexity import PerplexityResult, first_difference, num_chunks, perplexity, perplexity_bos_id
+from ..perplexity import PerplexityResult, exp_nll, first_difference, num_chunks, perplexity, perplexity_bos_id
 from ..flags import add_cache_flags, cache_config, positive_int
 from ..telemetry import peak_rss_bytes
 from .common import add_model_flags, read_text_file
@@ -119,7 +118,7 @@ def _run(model, ids, bos_id, args, label: str | None) -> PerplexityResult:
         def progress(chunk) -> None:
             state["nll"] += chunk.nll
             state["count"] += chunk.count
-            bar.set_postfix_str(f"ppl {math.exp(state['nll'] / state['count']):.4f}", refresh=False)
+            bar.set_postfix_str(f"ppl {exp_nll(state['nll'] / state['count']):.4f}", refresh=False)
             bar.update(1)
 
         return perplexity(model, ids, args.ctx_size, args.ubatch, args.chunks, bos_id, on_chunk=progress)

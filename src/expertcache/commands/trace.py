@@ -105,6 +105,9 @@ def cmd_simulate(args) -> int:
         capacities = parse_capacities(args.capacity, h.total_experts)
     except ValueError as e:
         raise ExpertCacheError(str(e)) from None
+    if not args.prefetch and (args.prefetch_width != 1.0 or args.prefetch_min_prob):
+        # Without --prefetch nothing replays prefetch: the setting would be ignored without a word.
+        raise ExpertCacheError("--prefetch-width and --prefetch-min-prob set the prefetch replay: add --prefetch")
     if args.plot:
         _check_plot_path(args.plot)
     ops = trace.ops()
@@ -233,6 +236,14 @@ def cmd_stats(args) -> int:
     from ..bench.trace import load_trace, popularity, prediction_quality, reuse_distances, reuse_summary, top_counts
 
     trace = load_trace(args.trace)
+    # The width only picks the --prefetch-min-prob columns (1.0, 1.5 and 2.0 are always reported),
+    # and a floor needs predictions: either alone would be ignored without a word.
+    if args.prefetch_width != 1.0 and not args.prefetch_min_prob:
+        raise ExpertCacheError("--prefetch-width in `trace stats` is the width of the --prefetch-min-prob columns: "
+                               "add --prefetch-min-prob (widths 1.0, 1.5 and 2.0 are always reported)")
+    if args.prefetch_min_prob and not trace.has_predictions:
+        raise ExpertCacheError(f"{args.trace}: --prefetch-min-prob needs a trace with predictions (recorded by "
+                               "`trace record` without --no-predictions)")
     phase = None if args.phase == "all" else args.phase
     pop = popularity(trace, phase)
     dist = reuse_distances(trace, phase)
@@ -344,9 +355,15 @@ def cmd_fit_predictor(args) -> int:
         maps.save(out)
     first = model.cfg.moe_layers[0]
     prev = {nxt: layer for layer, nxt in zip(model.cfg.moe_layers, model.cfg.moe_layers[1:])}
+    used = args.objective == "used"
+    if not report["layers"]:  # --held-out 0 (or a share under one token): nothing to measure on
+        print(f"fitted on {report['fit_tokens']:,} tokens; no tokens held out (--held-out {args.held_out:g}): "
+              "recall not measured")
+        print(f"wrote {out}")
+        print(json.dumps({"output": str(out), **report}))
+        return 0
     print(f"fitted on {report['fit_tokens']:,} tokens; recall at width 1.0 on the last "
           f"{report['held_out_tokens']:,} (held out):")
-    used = args.objective == "used"
     print(f"{'layer':>5}  {'predicted from':<24} {'router':>7} {'fitted':>7}"
           + (f" {'R@p0.5':>7} {'P@p0.5':>7}" if used else ""))
     for layer, r in report["layers"].items():
@@ -409,13 +426,14 @@ def register(sub) -> None:
                     help="logits (default): a linear map to the router's logits, solved by ridge regression; "
                          "used: the probability that each expert is used, trained on that (calibrated "
                          "probabilities for --prefetch-min-prob)")
-    fp.add_argument("--ridge", type=float, default=1.0, help="logits: ridge regularisation of each map (default: 1.0)")
+    fp.add_argument("--ridge", type=finite_float, default=1.0,
+                    help="logits: ridge regularisation of each map (default: 1.0)")
     fp.add_argument("--hidden", type=nonneg_int, default=512,
                     help="used: units of the maps' hidden layer, 0 for linear maps (default: 512)")
     fp.add_argument("--epochs", type=positive_int, default=30, help="used: passes over the text (default: 30)")
     fp.add_argument("--seed", type=seed, default=0,
                     help="used: seed of the initialisation and the batches, 64 bits (default: 0)")
-    fp.add_argument("--held-out", type=float, default=0.1,
+    fp.add_argument("--held-out", type=finite_float, default=0.1,
                     help="share of the tokens (the last) kept out of the fit to measure recall (default: 0.1)")
     fp.add_argument("-o", "--output", required=True, help="predictor file to write (.safetensors)")
     fp.set_defaults(func=cmd_fit_predictor)
