@@ -193,3 +193,20 @@ def test_a_perplexity_past_a_double_is_inf_not_a_crash(tiny_checkpoint, tmp_path
     assert lines[0] == "[1]inf,[2]inf," and lines[1].startswith("Final estimate: PPL = inf")
     code, out, _ = run_json(capsys, "-m", d, "-f", tmp_path / "text.txt", "-c", 16)
     assert code == 0 and out["ppl"] == math.inf and out["chunk_ppl"] == [math.inf, math.inf]
+
+
+def test_text_that_spells_a_special_token_is_text(tmp_path, capsys):
+    # llama-perplexity tokenizes with parse_special off: "<|endoftext|>" in the text is its
+    # characters, not the end-of-text token (which would also change the scored tokens).
+    from expertcache.tokenizer import Tokenizer
+
+    tok = Tokenizer(BUNDLED_MODEL)
+    text = "def f(x):\n    return x  # <|endoftext|> and <|im_end|> are text here\n" * 6
+    special = {tok.tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")}
+    parsed, plain = tok.encode(text), tok.encode(text, parse_special=False)
+    assert special & set(parsed) and not special & set(plain)
+    assert tok.decode(plain, skip_special_tokens=False) == text
+    assert tok.encode(text) == parsed  # the shared tokenizer is unchanged
+    (tmp_path / "t.txt").write_text(text)
+    code, out, _ = run_json(capsys, "-m", BUNDLED_MODEL, "-f", tmp_path / "t.txt", "-c", 32)
+    assert code == 0 and out["n_tokens"] == len(plain) != len(parsed)

@@ -74,23 +74,35 @@ class Tokenizer:
             template = named.get("default") or next(iter(named.values()), None)
         self.chat_template = template
         self._compiled = None
+        self._plain: HFTokenizer | None = None  # `encode(parse_special=False)`'s copy, made on first use
 
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`. Text that is not valid Unicode (a lone surrogate) is an ExpertCacheError."""
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`. Text that is not valid Unicode (a lone surrogate) is an ExpertCacheError.
+        `parse_special=False` reads text that spells a special token (`<|endoftext|>`) as plain
+        characters, as llama.cpp's tokenizer does with parse_special off (llama-perplexity's way)."""
+        tok = self.tok if parse_special else self._plain_text()
         try:
             # encode_batch releases the GIL while it works (encode holds it): a server's other
             # threads keep running while a large prompt is tokenized.
-            ids = self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            ids = tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except (TypeError, UnicodeError) as e:
             raise ExpertCacheError(f"cannot tokenize the text: {_unicode_problem(text) or e}") from None
         # Some tokenizer.json files leave BOS to tokenizer_config's add_bos_token.
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id, *ids]
         return ids
+
+    def _plain_text(self) -> HFTokenizer:
+        # A copy, so that the shared tokenizer (a server's threads use it) never changes mode.
+        if self._plain is None:
+            plain = HFTokenizer.from_str(self.tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         ids = list(ids)

@@ -99,7 +99,8 @@ def _load(args, cache):
 def _tokenize(model, text: str, args) -> tuple[list[int], int | None]:
     if model.tokenizer is None:
         raise ExpertCacheError(f"{model.path}: no tokenizer.json; perplexity of a text needs the model's tokenizer")
-    ids = model.tokenizer.encode(text, add_special_tokens=True)
+    # As llama-perplexity tokenizes: BOS added, but text that spells a special token is text.
+    ids = model.tokenizer.encode(text, add_special_tokens=True, parse_special=False)
     try:
         num_chunks(len(ids), args.ctx_size)
     except ExpertCacheError as e:
