@@ -95,3 +95,31 @@ def test_synth_quant_writes_a_q4_k_m_gguf_and_replaces_only_its_own(tmp_path, ca
     code, err = run_cli(capsys, *argv[:-1], str(foreign), "--force")
     assert_one_line_error(code, err, str(foreign), "not written by expertcache")
     assert foreign.read_bytes() == b"not ours"
+
+
+@pytest.mark.parametrize("which", ["bundled", "gguf"])
+def test_info_counts_the_dense_tensors_bytes_not_the_headers(capsys, which):
+    # dense_bytes_in_file was the files' size less the experts': the safetensors header and a
+    # GGUF's metadata (its whole tokenizer) counted as dense weights.
+    import json
+    from pathlib import Path
+
+    import gguf
+    from safetensors import safe_open
+
+    import expertcache
+    from expertcache.cli import main
+
+    if which == "bundled":
+        path = Path(expertcache.__file__).parent / "assets" / "tiny-qwen3-moe"
+        with safe_open(path / "model.safetensors", "pt") as f:
+            tensor_bytes = sum(f.get_tensor(k).nbytes for k in f.keys())
+    else:
+        path = Path(__file__).parent / "fixtures" / "gguf" / "qwen3_moe-mix.gguf"
+        tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    capsys.readouterr()
+    assert main(["info", "-m", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["dense_bytes_in_file"] == tensor_bytes - info["expert_bytes_total"]
+    assert info["dense_bytes_in_file"] + info["expert_bytes_total"] < sum(p.stat().st_size for p in (
+        [path / "model.safetensors"] if which == "bundled" else [path]))

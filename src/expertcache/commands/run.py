@@ -123,8 +123,6 @@ def cmd_info(args) -> int:
         by_format.setdefault(src.format(i).describe(), []).append(i)
     expert_bytes = {i: src.format(i).nbytes for i in cfg.moe_layers}
     gguf = hasattr(m.ckpt, "gg")
-    files = m.ckpt.gg.files if gguf else m.ckpt.files
-    file_bytes = sum(f.stat().st_size for f in files)
     info = {
         "path": str(m.path), "format": "gguf" if gguf else "safetensors", "architecture": cfg.model_type,
         "layout": "gguf" if gguf else layout.name,
@@ -143,7 +141,9 @@ def cmd_info(args) -> int:
         "experts_total": cfg.num_experts * len(cfg.moe_layers),
         "expert_bytes_total": sum(expert_bytes.values()) * cfg.num_experts,
     }
-    info["dense_bytes_in_file"] = file_bytes - info["expert_bytes_total"]
+    # The tensors' bytes, not the files' sizes: a header (a GGUF's tokenizer metadata) is no weight.
+    tensors = m.ckpt.gg.tensors if gguf else m.ckpt.tensors
+    info["dense_bytes_in_file"] = sum(t.nbytes for t in tensors.values()) - info["expert_bytes_total"]
     if gguf:
         groups: dict = {}
         for name, t in m.ckpt.gg.tensors.items():
