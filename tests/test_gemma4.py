@@ -296,6 +296,24 @@ def test_a_failed_forward_is_restored_by_truncate(gemma4):
                                model.logits(ids)[2 * WINDOW:], atol=1e-4, rtol=0)
 
 
+def test_a_copy_of_a_stopped_prefill_is_as_incomplete_as_its_original(gemma4):
+    """A prefill stopped half-way wrote into the rings; a copy of that session must refuse to
+    run on until truncated, and, truncated, give a fresh run's logits."""
+    ref, d = gemma4(seed=18)
+    model = expertcache.load(d)
+    ids = ids_of(5 * WINDOW, seed=19).tolist()
+    s = model.new_session()
+    model.prefill(s, ids[:2 * WINDOW], ubatch=5)
+    asked = []
+    assert model.prefill(s, ids[2 * WINDOW:], ubatch=4, should_stop=lambda: asked.append(1) or len(asked) > 12) is None
+    c = s.copy()
+    with pytest.raises(ExpertCacheError, match="incomplete after a failed forward"):
+        model.prefill(c, ids[2 * WINDOW:])
+    assert c.truncate(2 * WINDOW) == 2 * WINDOW
+    torch.testing.assert_close(model.prefill(c, ids[2 * WINDOW:], all_logits=True),
+                               ref_logits(ref, torch.tensor(ids))[2 * WINDOW:], atol=1e-4, rtol=0)
+
+
 def test_bf16_error_is_of_the_size_of_transformers_own(gemma4):
     """bf16 prefill and decode against the fp32 reference: our error is no larger than
     transformers' own bf16 run's (by more than a margin)."""

@@ -181,4 +181,5 @@ class WindowKVCache(SnapshotSchedule, KVCache):
             o.v.copy_(r.v)
             o.pos.copy_(r.pos)
         other.snapshots = list(self.snapshots)
+        other._pending = self._pending  # a copy of a forward left half-way is as incomplete
         return other
