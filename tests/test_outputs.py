@@ -123,3 +123,89 @@ def test_info_counts_the_dense_tensors_bytes_not_the_headers(capsys, which):
     assert info["dense_bytes_in_file"] == tensor_bytes - info["expert_bytes_total"]
     assert info["dense_bytes_in_file"] + info["expert_bytes_total"] < sum(p.stat().st_size for p in (
         [path / "model.safetensors"] if which == "bundled" else [path]))
+
+
+def test_pack_of_a_packed_gguf_gives_the_same_logits(tmp_path, capsys):
+    # The packed tensor of a packed source was copied and then written again: gguf-py refused the
+    # second tensor of the same name with a traceback.
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    import expertcache
+
+    src = tmp_path / "src.gguf"
+    shutil.copy(Path(__file__).parent / "fixtures" / "gguf" / "qwen3_moe-mix.gguf", src)
+    once, twice = tmp_path / "once.gguf", tmp_path / "twice.gguf"
+    assert run_cli(capsys, "pack", "-m", str(src), "-o", str(once))[0] == 0
+    assert run_cli(capsys, "pack", "-m", str(once), "-o", str(twice))[0] == 0
+    ids = [5, 6, 7, 8, 9]
+    assert torch.equal(expertcache.load(src).logits(ids), expertcache.load(twice).logits(ids))
+
+
+def test_force_keeps_what_was_added_to_an_earlier_output(source, tmp_path, capsys):
+    # --force replaced the whole directory: a file the user had put in it since was deleted.
+    out = tmp_path / "packed"
+    assert run_cli(capsys, "pack", "-m", str(source), "-o", str(out))[0] == 0
+    (out / "NOTES.md").write_text("mine")
+    before = _snapshot(out)
+    code, err = run_cli(capsys, "pack", "-m", str(source), "-o", str(out), "--force")
+    assert_one_line_error(code, err, str(out), "'NOTES.md'", "did not write")
+    assert _snapshot(out) == before
+    (out / "NOTES.md").unlink()
+    assert run_cli(capsys, "pack", "-m", str(source), "-o", str(out), "--force")[0] == 0
+
+
+@pytest.mark.parametrize("what", ["directory", "gguf"])
+def test_sigterm_mid_write_leaves_no_partial_output(source, tmp_path, what):
+    # Python's default SIGTERM (and SIGHUP) ends the process without running the cleanup, so a
+    # `kill` or `timeout` mid-write left the hidden partial output (the model's size) behind.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if what == "directory":
+        argv, hook = ["pack", "-m", str(source), "-o", str(tmp_path / "out")], "expertcache.models.pack.convert"
+    else:
+        src = Path(__file__).parent / "fixtures" / "gguf" / "qwen3_moe-mix.gguf"
+        argv, hook = ["pack", "-m", str(src), "-o", str(tmp_path / "out.gguf")], \
+            "gguf.gguf_writer.GGUFWriter.write_tensor_data"
+    module, _, name = hook.rpartition(".")
+    script = f"""
+import os, signal, importlib, sys
+from expertcache.cli import main
+try:
+    owner = importlib.import_module({module!r})
+except ImportError:  # a class: its module, then the class
+    mod, _, cls = {module!r}.rpartition(".")
+    owner = getattr(importlib.import_module(mod), cls)
+real = getattr(owner, {name!r})
+def hooked(*a, **k):
+    real(*a, **k)
+    os.kill(os.getpid(), signal.SIGTERM)  # the output is open and partly written
+setattr(owner, {name!r}, hooked)
+sys.exit(main({argv!r}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 128 + 15, proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_pack_refuses_a_dtype_that_cannot_hold_a_weight(tmp_path, capsys):
+    # float16 holds at most 65504: a bf16 weight beyond it was written as inf without a word, and
+    # the packed model's logits were NaN.
+    import torch
+
+    ref = build_reference(tiny_config("qwen3_moe"))
+    with torch.no_grad():
+        ref.model.layers[0].mlp.experts.down_proj[1].view(-1)[3] = 1e6  # expert 1's down matrix
+    src = save_checkpoint(ref, tmp_path / "src", dtype=torch.bfloat16)
+    out = tmp_path / "out"
+    code, err = run_cli(capsys, "pack", "-m", str(src), "-o", str(out), "--dtype", "float16")
+    # Found mid-write: the progress bar is on stderr before the error's one line.
+    errors = [line for line in err.splitlines() if line.startswith("expertcache: error:")]
+    assert code == 2 and "Traceback" not in err and len(errors) == 1, err
+    assert "layer 0 expert 1 down" in errors[0] and "beyond the range of --dtype float16" in errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert run_cli(capsys, "pack", "-m", str(src), "-o", str(out), "--dtype", "float32")[0] == 0

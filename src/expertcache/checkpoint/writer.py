@@ -8,7 +8,9 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +103,18 @@ def check_output(out: Path, force: bool, sources: tuple[Path, ...] = ()) -> Path
                                    "only earlier outputs of pack and synth")
         if not force:
             raise ExpertCacheError(f"output {str(out)!r} already exists (remove it or pass --force)")
+        # The marker lists the files the earlier run wrote: anything added since (notes, a fitted
+        # predictor) is the user's, and replacing the directory would delete it.
+        written = _written_files(out)
+        if written is None:
+            raise ExpertCacheError(f"output {str(out)!r} was written by an earlier expertcache, whose marker does "
+                                   "not list the files it wrote: remove the directory yourself to replace it")
+        extra = sorted(p.name for p in out.iterdir() if p.name != OUTPUT_MARKER and (
+            p.name not in written or p.is_symlink() or not p.is_file()))
+        if extra:
+            raise ExpertCacheError(f"output {str(out)!r} holds {extra[0]!r}, which expertcache did not write"
+                                   f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}: --force "
+                                   "replaces only what pack and synth wrote; move it out or remove the directory")
     parent = full.parent
     if not parent.is_dir():
         raise ExpertCacheError(f"output directory's parent {str(parent)!r} does not exist")
@@ -124,6 +138,40 @@ def check_output_file(out: Path, force: bool, marker: str, is_ours: Callable[[Pa
     return full
 
 
+def _written_files(out: Path) -> set[str] | None:
+    """The files an earlier output's marker lists; None where it lists none (written before the
+    marker did, or not JSON)."""
+    try:
+        files = json.loads((out / OUTPUT_MARKER).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return set(files) if isinstance(files, list) and all(isinstance(f, str) for f in files) else None
+
+
+@contextlib.contextmanager
+def _signals_end_cleanly() -> Iterator[None]:
+    """SIGTERM and SIGHUP (`kill`, `timeout`, a closed terminal, a cancelled job) end the process
+    as Python's default does not: through the `except` that removes the partial output, as Ctrl-C
+    does, with the exit status of the signal. A signal ignored (`nohup`) or handled by the caller
+    stays so; off the main thread (where no handler can be set) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    saved = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            saved[sig] = signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 @contextlib.contextmanager
 def atomic_gguf(out: Path, arch: str) -> Iterator:
     """A `gguf.GGUFWriter` on a temporary name beside `out`; the file becomes `out` only when the
@@ -131,15 +179,16 @@ def atomic_gguf(out: Path, arch: str) -> Iterator:
     from gguf import GGUFWriter
 
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    w = GGUFWriter(tmp, arch)
-    try:
-        yield w
-        w.close()
-        os.replace(tmp, out)
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    with _signals_end_cleanly():
+        w = GGUFWriter(tmp, arch)
+        try:
+            yield w
+            w.close()
+            os.replace(tmp, out)
+        except BaseException:
+            w.close()
+            tmp.unlink(missing_ok=True)
+            raise
 
 
 @contextlib.contextmanager
@@ -151,20 +200,24 @@ def atomic_output_dir(out: Path, force: bool = False, sources: tuple[Path, ...] 
     full = check_output(out, force, sources)
     tmp = full.parent / f".{full.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        (tmp / OUTPUT_MARKER).write_text('{"written_by": "expertcache"}\n')
-        if full.exists():
-            old = full.parent / f".{full.name}.old-{os.getpid()}"
-            os.replace(full, old)
-            os.replace(tmp, full)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, full)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _signals_end_cleanly():
+        tmp.mkdir()
+        try:
+            yield tmp
+            # The files written, so that a later --force replaces the directory only while it holds
+            # nothing else (`check_output`).
+            files = sorted(p.name for p in tmp.iterdir() if p.name != OUTPUT_MARKER)
+            (tmp / OUTPUT_MARKER).write_text(json.dumps({"written_by": "expertcache", "files": files}) + "\n")
+            if full.exists():
+                old = full.parent / f".{full.name}.old-{os.getpid()}"
+                os.replace(full, old)
+                os.replace(tmp, full)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, full)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def copy_side_files(src: Path, dst: Path) -> None:

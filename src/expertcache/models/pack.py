@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from ..checkpoint.writer import PlannedTensor, atomic_output_dir, copy_side_files, write_safetensors
 from ..config import parse_dtype
+from ..errors import ExpertCacheError
 from ..tiers.store import convert
 from .arch import PACKED_LAYOUT
 from .loader import expected_shapes, open_model, optional_shapes
@@ -41,7 +42,7 @@ def pack(model_dir: str | Path, out: str | Path, dtype=None, force: bool = False
         if suffix == layout.router:
             new_name = name[: -len(suffix)] + PACKED_LAYOUT.router
         planned.append(PlannedTensor(new_name, out_dtype, shape,
-                                     lambda n=name: iter([ckpt.read(n).to(out_dtype)])))
+                                     lambda n=name: iter([_in_range(n, ckpt.read(n), out_dtype)])))
     prefix = names["layer"]
     for layer in cfg.moe_layers:
         src_fmt = source.format(layer)
@@ -51,7 +52,13 @@ def pack(model_dir: str | Path, out: str | Path, dtype=None, force: bool = False
         def experts(layer=layer, src_fmt=src_fmt, out_fmt=out_fmt):
             for e in range(cfg.num_experts):
                 row = torch.empty(1, out_fmt.nbytes, dtype=torch.uint8)
-                convert(source.read(layer, e)[None], src_fmt, row, out_fmt)
+                src = source.read(layer, e)
+                convert(src[None], src_fmt, row, out_fmt)
+                for a, b in zip(src_fmt.matrices, out_fmt.matrices):
+                    if a.storage != b.storage:
+                        _in_range(f"layer {layer} expert {e} {a.name}",
+                                  src[a.offset: a.offset + a.nbytes].view(a.storage),
+                                  row[0, b.offset: b.offset + b.nbytes].view(b.storage))
                 yield row[0].view(out_dtype)
         planned.append(PlannedTensor(prefix.format(i=layer) + PACKED_LAYOUT.packed, out_dtype,
                                      (cfg.num_experts, 3 * cfg.hidden_size * cfg.moe_intermediate_size), experts))
@@ -65,6 +72,19 @@ def pack(model_dir: str | Path, out: str | Path, dtype=None, force: bool = False
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
         copy_side_files(Path(model_dir), tmp)
     return Path(out)
+
+
+def _in_range(name: str, src: torch.Tensor, out: torch.Tensor | torch.dtype) -> torch.Tensor:
+    """`src` in the written dtype (`out`: the dtype, or `src` converted already), refused where a
+    finite weight became infinite: --dtype float16 holds at most 65504, which bf16 and fp32 weights
+    may exceed, and an inf weight would be written without a word and give NaN logits."""
+    if isinstance(out, torch.dtype):
+        out = src.to(out)
+    if out.dtype != src.dtype and bool(torch.isinf(out).any()) and not bool(torch.isinf(src).any()):
+        dtype = str(out.dtype).removeprefix("torch.")
+        raise ExpertCacheError(f"{name}: a weight is beyond the range of --dtype {dtype} (largest "
+                               f"{src.abs().max().item():g}): expected a dtype that holds it")
+    return out
 
 
 def _matches(suffix: str, pattern: str) -> bool:

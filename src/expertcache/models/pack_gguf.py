@@ -42,10 +42,14 @@ def pack_gguf(src: str | Path, out: str | Path, force: bool = False, progress: b
             types = gg.metadata_types[key]
             w.add_key_value(key, value, types[0], types[1] if len(types) > 1 else None)
         w.add_string(MARKER_KEY, "expertcache pack")
-        # Each tensor on a 4 KiB page: where an expert's bytes are a whole number of pages, as at
-        # real sizes, the disk store reads it with O_DIRECT (tiers/store.py).
+        # Each tensor on a 4 KiB page: where an expert's bytes are a whole number of pages (Qwen3-30B's
+        # Q4_K_M experts; not Gemma 4's, whose 704-wide rows fall back to Q5_0/Q8_0: 877.25 pages),
+        # the disk store reads it with O_DIRECT (tiers/store.py).
         w.add_custom_alignment(DATA_ALIGN)
         expert_names = {f"blk.{i}.{GGUF_EXPERT_NAMES[p]}" for i in cfg.moe_layers for p in GGUF_EXPERT_NAMES}
+        # A packed source's experts too: they are written again below (copied as well, they were a
+        # second tensor of the same name, which gguf-py refused with a traceback).
+        expert_names |= {f"blk.{i}.{PACKED}" for i in cfg.moe_layers}
         plan = []
         for name, info in gg.tensors.items():
             if name in expert_names:
