@@ -181,3 +181,16 @@ def test_a_multi_token_prediction_layer_is_skipped(tmp_path, capsys, recurrent):
     # `pack` copies the block as it is; the packed file skips it too
     packed = pack_gguf(path, tmp_path / "packed.gguf", progress=False)
     assert torch.equal(expertcache.load(packed).logits(ids), want)
+
+
+def test_a_packed_f32_file_computes_as_its_source(tmp_path):
+    # An F32 file computes in fp32 by default; its packed copy (experts in one I8 tensor per layer)
+    # computed in bf16 and gave other logits. The packed format's types decide now.
+    from expertcache.models.pack_gguf import pack_gguf
+
+    src = FIXTURES / f"{F32}.gguf"
+    packed = pack_gguf(src, tmp_path / "packed.gguf", progress=False)
+    ids = _record(F32)["prompt"]["tokens"]
+    model = expertcache.load(packed)
+    assert model.cfg.dtype == torch.float32
+    assert torch.equal(model.logits(ids), expertcache.load(src).logits(ids))

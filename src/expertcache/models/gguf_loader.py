@@ -136,7 +136,7 @@ def _config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConf
         width = gg.info(f"blk.{first}.ffn_down_exps.weight").shape[-1] \
             if f"blk.{first}.ffn_down_exps.weight" in gg else need("feed_forward_length")
     dense = get("feed_forward_length", 0) if not all(sparse) else 0
-    all_f32 = all(i.storage == torch.float32 for i in gg.tensors.values())
+    all_f32 = _all_f32(gg)
     cfg = ModelConfig(
         model_type=arch.model_types[0], vocab_size=vocab, hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv, head_dim=head_dim, num_experts=experts,
@@ -174,6 +174,23 @@ def nextn_layers(md: dict, blocks: int | None = None) -> int:
         raise ExpertCacheError(f"{a}.nextn_predict_layers {n!r}: expected an integer from 0 to "
                                f"{a}.block_count - 1 ({blocks - 1})")
     return n
+
+
+def _all_f32(gg: GGUFCheckpoint) -> bool:
+    """Whether every weight is F32 (the model then computes in fp32 by default): a layer's experts
+    packed by `expertcache pack` (one I8 tensor) by the types its format names, so that a packed
+    copy computes as its source."""
+    for name, info in gg.tensors.items():
+        if name.endswith(f".{PACKED}"):
+            try:
+                parts = json.loads(gg.metadata[PACKED_FORMAT_KEY.format(layer=int(name.split(".")[1]))])
+                if any(t != "F32" for _, t, _ in parts):
+                    return False
+            except (KeyError, ValueError, TypeError):
+                return False  # a malformed format: GGUFExperts names it when it reads the layer
+        elif info.storage != torch.float32:
+            return False
+    return True
 
 
 def _check_storage(info) -> None:
