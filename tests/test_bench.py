@@ -287,3 +287,104 @@ def test_the_decode_profile_counts_the_products_over_quantized_blocks():
     assert list(rest.values()) == sorted(rest.values(), key=lambda v: -v["ms"])
     assert "native::rms_norm" in rest or any(k.startswith("aten::") for k in rest)
     assert all(v["calls"] > 0 for v in rest.values()) and out["outside_ops_per_step"] >= len(rest)
+
+
+def _measured(spec: dict) -> dict:
+    """What `run_one` returns for `spec`, with made-up figures (the table's and the bounds' fields)."""
+    phase = {"tokens": 4, "seconds": 0.1, "tok_s": 40.0, "hit_rate": 0.5, "copied_bytes_per_token": 1e6,
+             "copy_seconds": 0.01, "prefetch_copy_seconds": 0.0, "copy_gb_s": 0.4, "stall_seconds": 0.0}
+    return {"mode": spec["mode"], "store": spec["store"], "fraction": spec.get("fraction"), "device": "cpu",
+            "prefetch": spec.get("prefetch") == "on", "capacity": 8,
+            "prefill": {**phase, "bytes_read_per_token": 1e6, "stretches": 1}, "decode": phase,
+            "expert_bytes_total": 16e6, "prefill_stretch": 4096, "stretch_activation_bytes": 2**20,
+            "peak_rss_bytes": 2**30}
+
+
+def test_bench_cache_keeps_the_other_configurations_when_one_fails(synth_model, capsys, monkeypatch):
+    """A configuration that fails (here the cache at 50%) is named in the table and in the JSON's
+    `failed`; the others are still printed and reported, and the exit code says one failed. (The
+    first failure ended the run with nothing printed of what had been measured.)"""
+    import subprocess
+
+    from expertcache.bench import cache_bench
+
+    def run(argv, **kw):
+        spec = json.loads(argv[-1])
+        if spec.get("fraction") == 0.5:
+            return subprocess.CompletedProcess(argv, 1, "", "Traceback ...\nExpertCacheError: cannot allocate 4 expert slots")
+        return subprocess.CompletedProcess(argv, 0, json.dumps(_measured(spec)) + "\n", "")
+
+    monkeypatch.setattr(cache_bench.subprocess, "run", run)
+    assert main(["bench", "cache", "-m", str(synth_model), "--stores", "ram", "--fractions", "0.25,0.5",
+                 "--prefill", "4", "--decode", "4", "-t", "1"]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert [(r["mode"], r["fraction"]) for r in out["results"]] == [("resident", None), ("staging", None), ("cache", 0.25)]
+    assert out["failed"] == [{"mode": "cache", "store": "ram", "fraction": 0.5, "prefetch": "auto",
+                              "error": "ExpertCacheError: cannot allocate 4 expert slots"}]
+    assert sum(line.startswith(("resident", "staging", "cache")) for line in lines) == 3
+    assert "failed: cache ram 50% prefetch auto: ExpertCacheError: cannot allocate 4 expert slots" in lines
+    # every configuration failing is still an error, in one line after the progress bar, as before
+    monkeypatch.setattr(cache_bench.subprocess, "run", lambda argv, **kw: subprocess.CompletedProcess(argv, 1, "", "boom"))
+    code, err = run_cli(capsys, "bench", "cache", "-m", str(synth_model), "--stores", "ram", "--fractions", "0.5",
+                        "-t", "1")
+    assert code == 2 and err.strip().splitlines()[-1] == "expertcache: error: configuration resident ram failed: boom"
+
+
+def test_bench_speed_names_the_prompt_length_of_its_flop_rate():
+    """Without a 512-token prompt the FLOP rate is the first prompt length's: the header says so (it
+    said "GFLOP/s (512)" whatever was measured)."""
+    from expertcache.bench.speed import table
+
+    def row(mode, gflop_s):
+        return {"mode": mode, "fraction": None,
+                "decode": {"tok_s": 10.0, "ms_per_token": 100.0, "split_ms": {}, "read_gb_s": 1.0, "read_fraction": 0.5},
+                "prefill": {"16": {"tok_s": 50.0, "gflop_s": gflop_s, "matmul_fraction": 0.25},
+                            "64": {"tok_s": 80.0, "gflop_s": 99.0, "matmul_fraction": 0.5}}}
+
+    out = {"machine": {"read_bw": 2e9, "copy_bw": 1e9, "matmul_rate": 1e11}, "threads": 1, "kernels": "torch",
+           "pairs": 1, "results": [row("resident", 12.5)]}
+    lines = table(out).splitlines()
+    head = next(line for line in lines if line.startswith("mode") and "GFLOP/s" in line)
+    assert "GFLOP/s (16)" in head and "(512)" not in head
+    assert lines[lines.index(head) + 2].split()[-2:] == ["12.5", "25%"]
+
+
+def test_bench_serve_compare_keeps_the_other_modes_when_one_fails(monkeypatch, capsys, tmp_path):
+    """A mode whose server fails (here cache's) is said in its place and in the JSON's `failed`; the
+    modes measured are still reported, and the exit code says one failed. (The first failure ended
+    the run with no JSON line.)"""
+    import subprocess
+
+    from expertcache.bench import serve
+
+    class Server:
+        def __init__(self, argv, **kw):
+            self.mode = argv[argv.index("--cache-mode") + 1]
+
+        def terminate(self):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    def healthy(url, proc, log, timeout):
+        if proc.mode == "cache":
+            raise expertcache.ExpertCacheError("the server exited with code 2: cache too small")
+
+    monkeypatch.setattr(subprocess, "Popen", Server)
+    monkeypatch.setattr(serve, "_wait_healthy", healthy)
+    monkeypatch.setattr(serve, "run_suite", lambda args, url: {"suite": "prefill", "url": url, "model": "m",
+                                                              "text": "t", "max_tokens": 4, "prompt_tps": 100.0})
+    model = str(tmp_path)
+    assert main(["bench", "serve", "-m", model, "--compare", "staging,cache,resident", "--suite", "prefill"]) == 1
+    text = capsys.readouterr().out
+    out = json.loads(text.strip().splitlines()[-1])
+    assert list(out["modes"]) == ["staging", "resident"]
+    assert out["failed"] == [{"mode": "cache", "error": "the server exited with code 2: cache too small"}]
+    assert out["deltas"] == [{"metric": "prompt_tps", "staging": 100.0, "resident": 100.0,
+                              "resident vs staging": "+0.0%"}]
+    assert "mode cache failed: the server exited with code 2: cache too small" in text
+    # every mode failing is still one line, as before
+    assert_one_line_error(*run_cli(capsys, "bench", "serve", "-m", model, "--compare", "cache", "--suite", "prefill"),
+                          "the server exited with code 2: cache too small")

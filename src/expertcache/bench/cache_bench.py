@@ -313,25 +313,40 @@ def cmd_bench_cache(args) -> int:
         from .trace import load_trace
 
         load_trace(args.route_trace).check_floor(args.prefetch_min_prob)
-    rows = []
+    rows, failed = [], []
     specs = configurations(args)
     for spec in tqdm(specs, desc="bench cache", unit="config", file=sys.stderr):
         p = subprocess.run([sys.executable, "-m", "expertcache.bench.cache_bench", json.dumps(spec)],
                            capture_output=True, text=True)
         if p.returncode != 0:
-            raise ExpertCacheError(f"configuration {spec['mode']}/{spec['store']}/{spec.get('fraction')}"
-                               f"/prefetch {spec.get('prefetch', 'auto')} failed: "
-                                   f"{p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
+            # The other configurations still run and print: one failure (a cache too large for the
+            # memory, say) does not throw away what was measured before it.
+            failed.append({"mode": spec["mode"], "store": spec["store"], "fraction": spec.get("fraction"),
+                           "prefetch": spec.get("prefetch"),
+                           "error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit code {p.returncode}"})
+            continue
         rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    if not rows:  # nothing measured: one line, as before
+        f = failed[0]
+        raise ExpertCacheError(f"configuration {failed_label(f)} failed: {f['error']}")
     print(table(rows))
+    for f in failed:
+        print(f"failed: {failed_label(f)}: {f['error']}")
     bounds = overlap_bounds(rows)
     if bounds:
         print(bounds_text(bounds))
     print(json.dumps({"bench": "cache", "model": str(args.model), "device": args.device, "threads": args.threads,
                       "kernels": args.kernels,
                       "prefill_tokens": args.prefill, "decode_tokens": args.decode, "results": rows,
-                      "prefetch_bounds": bounds}))
-    return 0
+                      "failed": failed, "prefetch_bounds": bounds}))
+    return 1 if failed else 0
+
+
+def failed_label(f: dict) -> str:
+    """A failed configuration as the table names it: mode, store, and in cache mode capacity and prefetch."""
+    if f["mode"] != "cache":
+        return f"{f['mode']} {f['store']}"
+    return f"cache {f['store']} {f['fraction']:.0%} prefetch {f['prefetch']}"
 
 
 def _fractions(text: str) -> list[float]:

@@ -320,19 +320,26 @@ def run_compare(args) -> list[dict]:
     for mode in modes:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
-        with tempfile.TemporaryFile() as log:
-            proc = subprocess.Popen(serve_argv(args, mode, port), stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            try:
-                _wait_healthy(url, proc, log, args.startup_timeout)
-                res = run_suite(args, url)
-            finally:
-                proc.terminate()
+        try:
+            with tempfile.TemporaryFile() as log:
+                proc = subprocess.Popen(serve_argv(args, mode, port), stdout=log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
                 try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                    _wait_healthy(url, proc, log, args.startup_timeout)
+                    res = run_suite(args, url)
+                finally:
+                    proc.terminate()
+                    try:
+                        proc.wait(15)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+        except ExpertCacheError as e:
+            # The other modes still run and print: a mode that fails is reported, not the end of the run.
+            print(f"mode {mode} failed: {e}")
+            print()
+            results.append({"mode": mode, "error": str(e)})
+            continue
         res["mode"] = mode
         print_result(res)
         print()
@@ -388,14 +395,18 @@ def cmd_bench_serve(args) -> int:
         print_result(res)
         print(json.dumps(res))
         return 0
-    results = run_compare(args)
+    measured = run_compare(args)
+    failed = [r for r in measured if "error" in r]
+    results = [r for r in measured if "error" not in r]
+    if not results:  # nothing measured: one line, as before
+        raise ExpertCacheError(failed[0]["error"])
     rows = deltas(results)
     if len(results) > 1:
         print(f"deltas ({results[0]['mode']} is the control)")
         print_table(rows)
     print(json.dumps({"suite": args.suite, "text": results[0]["text"], "modes": {r["mode"]: r for r in results},
-                      "deltas": rows}))
-    return 0
+                      "failed": failed, "deltas": rows}))
+    return 1 if failed else 0
 
 
 def _server_url(text: str) -> str:

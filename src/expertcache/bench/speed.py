@@ -531,13 +531,16 @@ def table(out: dict) -> str:
         lines.append(f"vs bound: decode time over (resident's, timed just before, + missed bytes / copy bandwidth), "
                      f"median of {out['pairs']} such pairs")
     lines.append("")
-    head = f"{'mode':<9}{'cap':>5} " + " ".join(f"{'prefill ' + p + ' t/s':>17}" for p in out["results"][0]["prefill"])
-    head += f" {'GFLOP/s (512)':>14} {'of peak':>7}"
+    # The FLOP rate of the 512-token prompt, else of the first measured: the header says which.
+    lengths = list(out["results"][0]["prefill"])
+    at = "512" if "512" in lengths else lengths[0]
+    head = f"{'mode':<9}{'cap':>5} " + " ".join(f"{'prefill ' + p + ' t/s':>17}" for p in lengths)
+    head += f" {f'GFLOP/s ({at})':>14} {'of peak':>7}"
     lines += [head, "-" * len(head)]
     for r in out["results"]:
         cap = "all" if r["mode"] == "resident" else ("-" if r["fraction"] is None else f"{r['fraction']:.0%}")
         p = r["prefill"]
-        ref = p.get("512") or next(iter(p.values()))
+        ref = p[at]
         lines.append(f"{r['mode']:<9}{cap:>5} " + " ".join(f"{v['tok_s']:>17.1f}" for v in p.values())
                      + f" {ref['gflop_s']:>14.1f} {ref['matmul_fraction']:>7.0%}")
     o = out["results"][0].get("overhead")
