@@ -209,3 +209,13 @@ def test_pack_refuses_a_dtype_that_cannot_hold_a_weight(tmp_path, capsys):
     assert "layer 0 expert 1 down" in errors[0] and "beyond the range of --dtype float16" in errors[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
     assert run_cli(capsys, "pack", "-m", str(src), "-o", str(out), "--dtype", "float32")[0] == 0
+
+
+def test_synth_quant_checks_the_config_before_writing(tmp_path, capsys):
+    # --quant wrote the file and only the loader refused it (top-k 8 of 4 experts); synth without
+    # --quant refused before writing.
+    out = tmp_path / "g.gguf"
+    code, err = run_cli(capsys, "synth", "--like", "gemma-4-26b-a4b", "--layers", "2", "--experts", "4",
+                        "--quant", "q4_k_m", "-o", str(out))
+    assert_one_line_error(code, err, "num_experts_per_tok 8 must be between 1 and 4")
+    assert not out.exists() and not list(tmp_path.iterdir())

@@ -31,9 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from expertcache.flags import positive_int  # noqa: E402
 from expertcache.errors import ExpertCacheError  # noqa: E402
-from expertcache.kernels import load_native  # noqa: E402
+from expertcache.kernels import TorchKernels, load_native  # noqa: E402
 from expertcache.memory import host_zeros  # noqa: E402
-from expertcache.models.layers import linear  # noqa: E402
 
 # The decode step's products on Qwen3-30B-A3B's shapes: expert gate/up and down, fused q/k/v, and o.
 SHAPES = [(1536, 2048, 16), (2048, 768, 16), (5120, 2048, 2), (2048, 4096, 2)]  # (N, K, matrices)
@@ -51,8 +50,8 @@ def build():
 
 
 def engine_mv(w, x):
-    """The engine's own one-row product: `torch.mv` with oneDNN off."""
-    return linear(x[None], w)[0]
+    """The engine's own one-row product (the torch kernels' `linear`): `torch.mv` with oneDNN off."""
+    return TorchKernels().linear(x[None], w)[0]
 
 
 def main(argv=None) -> int:

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from ..checkpoint.writer import atomic_gguf, check_output_file
 from ..errors import ExpertCacheError
+from . import for_model_type
 from .synth import QUANTS, synth_config
 
 MARKER_KEY = "expertcache.written_by"
@@ -95,6 +96,9 @@ def synth_gguf(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None 
     raw = synth_config(like, layers, experts, top_k, vocab, overrides=overrides)
     if raw["model_type"] not in ("qwen3_moe", "gemma4_text"):
         raise ExpertCacheError(f"--quant writes Qwen3-MoE or Gemma 4 shapes; --like {like!r} is {raw['model_type']}")
+    # The config checked as `synth` checks it (top-k against the experts, ...), before anything is
+    # written: a file the loader then refuses is no output.
+    for_model_type(raw["model_type"], f"--like {like}").config_from_hf(raw)
     out = check_output_file(Path(out), force, MARKER_KEY, _is_ours)
     if raw["model_type"] == "gemma4_text":
         return _gemma4(out, raw, quant, seed, progress)
