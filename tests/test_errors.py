@@ -190,8 +190,8 @@ def test_a_closed_stdout_pipe_ends_quietly():
     assert p.wait() == 141 and err == "", err
 
 
-@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 def test_a_full_stdout_is_one_line():
+    # /dev/full (Linux, where CI runs): every write fails with ENOSPC.
     with open("/dev/full", "w") as full:
         p = subprocess.run([sys.executable, "-m", "expertcache.cli", "info"], stdout=full, stderr=subprocess.PIPE,
                            text=True)
