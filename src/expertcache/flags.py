@@ -126,7 +126,7 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     size.add_argument("--cache-fraction", type=float, help="cache size as a fraction of all experts")
     g.add_argument("--cache-policy", choices=POLICY_NAMES, default=DEFAULT_POLICY, metavar="POLICY",
                    help=f"eviction policy: {', '.join(POLICY_NAMES)} (default: {DEFAULT_POLICY})")
-    g.add_argument("--store", choices=STORES, default="ram", help="slow tier for experts (default: ram)")
+    g.add_argument("--store", choices=STORES, default="ram", help="slow tier for experts (default: ram; resident mode, which copies every expert once, reads them through mmap instead of keeping a second copy in RAM, and reports mmap)")
     g.add_argument("--cache-verify", action="store_true", help="checksum every slot on fill and read")
     g.add_argument("--prefetch", choices=PREFETCH_MODES, default="auto",
                    help="load the experts predicted for the next MoE op while this one computes (cache mode): "
