@@ -93,7 +93,7 @@ def test_synth_quant_writes_a_q4_k_m_gguf_and_replaces_only_its_own(tmp_path, ca
     foreign = tmp_path / "foreign.gguf"
     foreign.write_bytes(b"not ours")
     code, err = run_cli(capsys, *argv[:-1], str(foreign), "--force")
-    assert_one_line_error(code, err, str(foreign), "not written by expertcache")
+    assert_one_line_error(code, err, str(foreign), "is not a file written by expertcache")
     assert foreign.read_bytes() == b"not ours"
 
 

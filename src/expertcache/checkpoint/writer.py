@@ -121,20 +121,24 @@ def check_output(out: Path, force: bool, sources: tuple[Path, ...] = ()) -> Path
     return full
 
 
-def check_output_file(out: Path, force: bool, marker: str, is_ours: Callable[[Path], bool]) -> Path:
-    """As `check_output`, for a command that writes one file: an existing path is replaced (with
-    --force) only when `is_ours` recognises it (a metadata key named `marker` in the file)."""
+def check_output_file(out: str | Path, force: bool, what: str, is_ours: Callable[[Path], bool]) -> Path:
+    """Before any work, the one file a command will write: an existing file is replaced (with
+    `force`) only when `is_ours` recognises it as `what`, an earlier output of the command, so
+    that `-o` never overwrites an input, a model's weights or any other file of the user's; and
+    its directory must exist and take a new file, so that a bad path fails now, not after the run."""
     full = Path(out).resolve()
     if full.is_dir() or Path(out).is_symlink():
-        raise ExpertCacheError(f"output {str(out)!r} is a directory or a link: expected a file path to write")
+        raise ExpertCacheError(f"cannot write {str(out)!r}: it is a directory or a link: expected a file path")
     if full.exists():
         if not is_ours(full):
-            raise ExpertCacheError(f"output {str(out)!r} exists and was not written by expertcache (no {marker} "
-                                   "key in it): expected a new path; --force replaces only earlier outputs")
+            raise ExpertCacheError(f"cannot write {str(out)!r}: it exists and is not {what} (only {what} of an "
+                                   "earlier run is replaced): expected a new path")
         if not force:
             raise ExpertCacheError(f"output {str(out)!r} already exists (remove it or pass --force)")
     if not full.parent.is_dir():
-        raise ExpertCacheError(f"output file's directory {str(full.parent)!r} does not exist")
+        raise ExpertCacheError(f"cannot write {str(out)!r}: no directory {str(full.parent)!r}")
+    if not os.access(full.parent, os.W_OK | os.X_OK):
+        raise ExpertCacheError(f"cannot write {str(out)!r}: directory {str(full.parent)!r} is not writable")
     return full
 
 
@@ -173,22 +177,31 @@ def _signals_end_cleanly() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def atomic_gguf(out: Path, arch: str) -> Iterator:
-    """A `gguf.GGUFWriter` on a temporary name beside `out`; the file becomes `out` only when the
-    block completes, and is removed on any error or interrupt."""
-    from gguf import GGUFWriter
-
+def atomic_file(out: Path) -> Iterator[Path]:
+    """A temporary path beside `out` to write; it becomes `out` only when the block completes, so a
+    failed or interrupted write (an error, Ctrl-C, SIGTERM) leaves no partial file and whatever was
+    at `out` before."""
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     with _signals_end_cleanly():
+        try:
+            yield tmp
+            os.replace(tmp, out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+@contextlib.contextmanager
+def atomic_gguf(out: Path, arch: str) -> Iterator:
+    """A `gguf.GGUFWriter` on a temporary name beside `out` (`atomic_file`)."""
+    from gguf import GGUFWriter
+
+    with atomic_file(out) as tmp:
         w = GGUFWriter(tmp, arch)
         try:
             yield w
+        finally:
             w.close()
-            os.replace(tmp, out)
-        except BaseException:
-            w.close()
-            tmp.unlink(missing_ok=True)
-            raise
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import ExpertCacheError
@@ -53,25 +53,6 @@ def read_text_file(path: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ExpertCacheError(f"{path}: not valid UTF-8 (byte {e.start})") from None
-
-
-def check_output_file(path: str, what: str, is_ours: Callable[[Path], bool]) -> Path:
-    """Before any work: the file a command will write. An existing file is replaced only when
-    `is_ours` recognises it as an earlier output of the command (`what`), so that `-o` cannot
-    overwrite the input text, a model's weights or any other file the user has; and the directory
-    must exist and take a new file, so that a bad path fails now rather than after the run."""
-    out = Path(path)
-    if out.is_dir():
-        raise ExpertCacheError(f"cannot write {path!r}: it is a directory; expected a file path")
-    if out.exists() and not is_ours(out):
-        raise ExpertCacheError(f"cannot write {path!r}: it exists and is not {what} (only {what} of an earlier "
-                               "run is replaced): expected a new path")
-    parent = out.parent
-    if not parent.is_dir():
-        raise ExpertCacheError(f"cannot write {path!r}: no directory {str(parent)!r}")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ExpertCacheError(f"cannot write {path!r}: directory {str(parent)!r} is not writable")
-    return out
 
 
 @contextlib.contextmanager

@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import zipfile
 from pathlib import Path
 
 from ..errors import ExpertCacheError
 from ..flags import add_cache_flags, add_prefetch_width_flag, nonneg_int, positive_int
 from .args import finite_float, seed
-from .common import add_model_flags, check_output_file, load_model, read_text_file, writing
+from ..checkpoint.writer import atomic_file, check_output_file
+from .common import add_model_flags, load_model, read_text_file, writing
 
 DEFAULT_CAPACITIES = "10%,25%,50%,75%"
 
@@ -26,7 +26,8 @@ def cmd_record(args) -> int:
     from ..bench.trace import TraceRecorder, parse_prompts, run_prompts, save_trace
     from ..sampling import SamplingParams
 
-    out = check_output_file(args.output, "a trace", _is_trace)  # before the run, not after it
+    # Before the run, not after it; an earlier trace at the path is replaced without --force.
+    out = check_output_file(args.output, True, "a trace", _is_trace)
     items = parse_prompts(read_text_file(args.prompts), args.prompts) if args.prompts else None
     text = read_text_file(args.file) if args.file else None
     SamplingParams(args.temp, args.top_k, args.top_p, 0.0, args.seed)  # bad values fail before loading
@@ -52,16 +53,8 @@ def cmd_record(args) -> int:
     else:
         run_prompts(model, recorder, items, args.n_predict, on_result=progress, **gen)
     trace = recorder.trace()
-    # Under a temporary name beside the output, renamed when complete: a failed or interrupted
-    # write leaves no half-written file, and an earlier trace at the path stays as it was.
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    try:
-        with writing(args.output):
-            save_trace(trace, tmp, name=args.output)  # errors name the output, not the temporary file
-            os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with writing(args.output), atomic_file(out) as tmp:
+        save_trace(trace, tmp, name=args.output)  # errors name the output, not the temporary file
     size = out.stat().st_size
     print(f"wrote {args.output}: {trace.num_ops} ops, {trace.prefill_tokens()} prefill and "
           f"{trace.decode_tokens()} decode tokens, {size:,} bytes")
@@ -69,12 +62,14 @@ def cmd_record(args) -> int:
 
 
 def _is_trace(path: Path) -> bool:
-    """Whether `path` is an npz file with a trace's header: what `trace record` may replace."""
+    """Whether `path` is a trace (`load_trace` reads it): what `trace record` may replace."""
+    from ..bench.trace import load_trace
+
     try:
-        with zipfile.ZipFile(path) as z:
-            return "header.npy" in z.namelist()
-    except (OSError, zipfile.BadZipFile):
+        load_trace(path)
+    except ExpertCacheError:
         return False
+    return True
 
 
 # ---- simulate ----------------------------------------------------------------------------------
@@ -217,15 +212,12 @@ def _plot(path: str, title: str, rows, total_experts: int) -> None:
     ax.set_title(Path(title).name, fontsize=10)
     ax.legend(loc="lower right", fontsize=9)
     fig.tight_layout()
-    # Under a temporary name, renamed when complete: no half-written PNG is left at `path`.
-    tmp = Path(path).parent / f".{Path(path).name}.partial-{os.getpid()}"
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
+        with atomic_file(Path(path)) as tmp:  # no half-written PNG is left at `path`
+            fig.savefig(tmp, format="png")
     except OSError as e:
         raise ExpertCacheError(f"cannot write {path!r}: {e.strerror}") from None
     finally:
-        tmp.unlink(missing_ok=True)
         plt.close(fig)
 
 
@@ -319,7 +311,7 @@ def cmd_fit_predictor(args) -> int:
 
     from ..models.linear_predictor import MIN_FIT_TOKENS, fit, fit_used, split_tokens
 
-    out = check_output_file(args.output, "a predictor file", _is_predictor)
+    out = check_output_file(args.output, True, "a predictor file", _is_predictor)
     text = read_text_file(args.file)
     split_tokens(max(args.tokens, MIN_FIT_TOKENS * 2), args.held_out, args.ridge)  # bad options fail before loading
     model = load_model(args)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -117,6 +116,8 @@ class LinearMaps:
         """Write the maps atomically: a failed write leaves no partial file and what was at `path`."""
         from safetensors.torch import save_file
 
+        from ..checkpoint.writer import atomic_file
+
         path = Path(path)
         tensors = {}
         for kind, maps in (("weight", self.weight), ("bias", self.bias), ("hidden_weight", self.hidden_weight),
@@ -124,17 +125,8 @@ class LinearMaps:
             tensors |= {f"{kind}.{layer}": t.contiguous() for layer, t in maps.items()}
         meta = {"format": FORMAT, "version": str(VERSION), "routers": self.routers, "fit": json.dumps(self.meta),
                 "output": self.output}
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # as an ordinary new file (mkstemp's is private)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_file(path) as tmp:
+            save_file(tensors, str(tmp), metadata=meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> LinearMaps:

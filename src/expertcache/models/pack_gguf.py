@@ -30,7 +30,7 @@ def pack_gguf(src: str | Path, out: str | Path, force: bool = False, progress: b
     out = Path(out)
     if out.resolve() in [f.resolve() for f in gg.files]:
         raise ExpertCacheError(f"output {str(out)!r} is the source: expected another path")
-    out = check_output_file(out, force, MARKER_KEY, _is_ours)
+    out = check_output_file(out, force, "a file written by expertcache", _is_ours)
     cfg = config_from_gguf(for_gguf(gg.metadata, str(gg.files[0])), gg)
     experts = GGUFExperts(gg, cfg)
     arch = gg.metadata["general.architecture"]

@@ -99,7 +99,7 @@ def synth_gguf(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None 
     # The config checked as `synth` checks it (top-k against the experts, ...), before anything is
     # written: a file the loader then refuses is no output.
     for_model_type(raw["model_type"], f"--like {like}").config_from_hf(raw)
-    out = check_output_file(Path(out), force, MARKER_KEY, _is_ours)
+    out = check_output_file(Path(out), force, "a file written by expertcache", _is_ours)
     if raw["model_type"] == "gemma4_text":
         return _gemma4(out, raw, quant, seed, progress)
     if quant != "q4_k_m":
