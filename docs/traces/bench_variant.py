@@ -1,7 +1,7 @@
-"""The harness of the timing experiments beside it (`lookahead_two.py`, `first_layer_early.py`):
-`expertcache bench cache` with the command line's arguments, each configuration in its own
-process as the command runs them; with the experiment's flag given, the prefetch-on runs first
-apply its change. Prints the command's table and bounds, then one JSON line."""
+"""The harness of the timing experiments beside it (`lookahead_two.py`, `first_layer_early.py`,
+`plan_after_op.py`, ...): `expertcache bench cache` with the command line's arguments, each
+configuration in its own process as the command runs them; with the experiment's flag given, the
+prefetch-on runs first apply its change. Prints the command's table and bounds, then one JSON line."""
 
 import json
 import subprocess
