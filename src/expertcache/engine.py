@@ -369,7 +369,9 @@ class Model:
         if logits is None:
             return GenerationResult("", [], len(ids), cached, "abort", t1 - t0, 0.0)
         out: list[int] = []
-        decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
+        # The text continues the prompt: its last ids give the first piece its context (a
+        # SentencePiece word's leading space).
+        decoder = StreamDecoder(self.tokenizer, context=ids) if self.tokenizer else None
         text = ""
         sent = 0  # characters of `text` passed to on_text
         finish = "length"
@@ -407,7 +409,7 @@ class Model:
         t2 = time.perf_counter()
         if decoder is not None and not at_stop_string:
             # Flush what was held back: an incomplete UTF-8 tail, the start of a stop string.
-            full = self.tokenizer.decode(out)
+            full = decoder.text()
             if on_text and full.startswith(text[:sent]) and len(full) > sent:
                 on_text(full[sent:])
             text = full

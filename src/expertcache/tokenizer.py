@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -18,6 +19,10 @@ from .errors import ExpertCacheError
 
 # Decoding more ids than this goes through decode_batch, which releases the GIL.
 _LONG = 4096
+# tokenizer_config.json's special tokens that transformers hands a chat template by name.
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# The names a message's reasoning may come under, the one chat templates read first.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _token_text(value) -> str | None:
@@ -66,6 +71,12 @@ class Tokenizer:
         self.bos_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
         self.add_bos = bool(cfg.get("add_bos_token", False)) and self.bos_id is not None
+        # Some tokenizer.json files leave BOS to tokenizer_config's add_bos_token (a GGUF's always
+        # does): then encode() prepends it, even before a BOS the text spells, as llama.cpp and a
+        # post-processor that adds it both do.
+        self._prepend_bos = self.add_bos and self.tok.encode("", add_special_tokens=True).ids[:1] != [self.bos_id]
+        # What a template may read beside bos_token and eos_token, as transformers passes its special tokens.
+        self._template_tokens = {k: _token_text(cfg.get(k)) for k in _TEMPLATE_TOKENS if _token_text(cfg.get(k))}
         # Every id generation ends at (a GGUF names them all: eos, eot, ...); eos alone otherwise.
         self.end_ids = set(cfg.get("eog_token_ids") or ()) | ({self.eos_id} if self.eos_id is not None else set())
         template = cfg.get("chat_template")
@@ -91,8 +102,7 @@ class Tokenizer:
             ids = tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except (TypeError, UnicodeError) as e:
             raise ExpertCacheError(f"cannot tokenize the text: {_unicode_problem(text) or e}") from None
-        # Some tokenizer.json files leave BOS to tokenizer_config's add_bos_token.
-        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_id):
+        if add_special_tokens and self._prepend_bos:
             ids = [self.bos_id, *ids]
         return ids
 
@@ -111,40 +121,87 @@ class Tokenizer:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        """The chat template applied as transformers' apply_chat_template(tokenize=False) applies it:
+        keys whose value is None dropped from each message, reasoning under `thinking` or `reasoning`
+        also given as `reasoning_content`, `tools` and `documents` None, the special tokens by name;
+        `extra` (enable_thinking, tools, ...) passed to the template as well."""
         if not self.chat_template:
             raise ExpertCacheError("this model has no chat template (tokenizer_config.json chat_template "
                                    "or chat_template.jinja)")
         if self._compiled is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[jinja2.ext.loopcontrols])
-
-            def raise_exception(message):
-                raise ExpertCacheError(f"chat template: {message}")
-
-            def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-                return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                                  sort_keys=sort_keys)
-
-            env.filters["tojson"] = tojson
-            env.globals["raise_exception"] = raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            try:
-                self._compiled = env.from_string(self.chat_template)
-            except jinja2.TemplateError as e:
-                raise ExpertCacheError(f"chat template does not compile: {e}") from None
+            self._compiled = _compile(self.chat_template)
+        values = {"tools": None, "documents": None, **self._template_tokens,
+                  "bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **extra}
         try:
-            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+            return self._compiled.render(messages=[_plain_message(m) for m in messages],
+                                         add_generation_prompt=add_generation_prompt, **values)
         except ExpertCacheError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError,
-                RecursionError) as e:
+                RuntimeError) as e:
             # The template met messages it cannot render (a missing key, a value of another type).
-            raise ExpertCacheError(f"chat template failed to render these messages: {type(e).__name__}: {e}") from None
+            raise ExpertCacheError(f"chat template failed to render these messages: {type(e).__name__}: "
+                                   f"{_one_line(e)}") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
         # The rendered template already holds any special tokens it wants, as in transformers.
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, **extra), add_special_tokens=False)
+
+
+def _plain_message(message):
+    """A message as a template sees it in transformers: a key whose value is None is absent (a
+    template testing `'tool_calls' in message` sees no calls), and reasoning sent under any of its
+    names is under `reasoning_content` too (what the Qwen templates read) and, unless the message
+    has its own, under `thinking`."""
+    if not isinstance(message, dict):
+        return message
+    m = {k: v for k, v in message.items() if v is not None}
+    for name in _REASONING_FIELDS:
+        if name in m:
+            m["reasoning_content"] = m[name]
+            m.setdefault("thinking", m[name])
+            break
+    return m
+
+
+def _one_line(message) -> str:
+    return " ".join(str(message).split())
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`, which transformers' templates may use to mark the
+    assistant's text (for its training masks): rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _compile(template: str) -> jinja2.Template:
+    """A template in the environment transformers renders chat templates in."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+
+    def raise_exception(message):
+        raise ExpertCacheError(f"chat template: {_one_line(message)}")
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson escapes HTML characters; transformers' does not.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as e:
+        raise ExpertCacheError(f"chat template does not compile: {_one_line(e)}") from None
 
 
 def _unicode_problem(text: str) -> str | None:
@@ -159,15 +216,27 @@ def _unicode_problem(text: str) -> str | None:
 class StreamDecoder:
     """Turns generated token ids into text pieces, holding back incomplete UTF-8 sequences.
 
-    Each step decodes only a short window (the tokens since the last emitted piece, plus the one
-    before them for context such as a leading space), so streaming costs the same per token
-    however long the generation gets.
+    The pieces are the text the ids add after `context` (the prompt's ids): a SentencePiece
+    word keeps its leading space where it continues a prompt, as llama.cpp's pieces and
+    transformers' decode of prompt and continuation together have it (decoding the new ids alone
+    strips it). Each step decodes only a short window (the tokens since the last emitted piece,
+    plus the ones before them for context such as a leading space), so streaming costs the same
+    per token however long the generation gets.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer, self.ids = tokenizer, []
-        self.prefix = 0  # window start: one piece back, for context
-        self.read = 0    # tokens already emitted as text
+    CONTEXT = 4  # prompt ids kept as context
+
+    def __init__(self, tokenizer: Tokenizer, context: list[int] | tuple[int, ...] = ()):
+        # The longest tail of the prompt that decodes to whole characters: one that ends inside a
+        # character, or starts inside one where byte tokens decode as a run, would blur the first piece.
+        ids = []
+        for n in range(min(self.CONTEXT, len(context)), 0, -1):
+            if not tokenizer.decode(list(context[-n:])).endswith("\ufffd"):
+                ids = list(context[-n:])
+                break
+        self.tokenizer, self.ids, self.start = tokenizer, ids, len(ids)
+        self.prefix = 0         # window start: one piece back, for context
+        self.read = len(ids)    # tokens already emitted as text
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -177,3 +246,9 @@ class StreamDecoder:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(before):]
+
+    def text(self) -> str:
+        """All the text of the ids pushed so far, what is held back included."""
+        context = self.tokenizer.decode(self.ids[:self.start])
+        full = self.tokenizer.decode(self.ids)
+        return full[len(context):] if full.startswith(context) else self.tokenizer.decode(self.ids[self.start:])

@@ -88,7 +88,7 @@ def _chat_loop(model, gen, args) -> int:
         line = sys.stdin.readline()
         if not line:
             break
-        line = line.rstrip("\n")
+        line = line.rstrip("\r\n")  # CRLF too (Windows, a pasted file): no message ends in a stray "\r"
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
