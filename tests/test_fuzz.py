@@ -189,7 +189,7 @@ def test_fuzz_requests(ckpt, caplog):
     assert after == before
     assert "Traceback" not in caplog.text and not [r for r in caplog.records if r.levelno >= logging.ERROR]
     # The fuzzer reached the cases it is for: refusals of several kinds, and some valid requests.
-    assert statuses.get(400, 0) > N_REQUESTS // 3 and statuses.get(200, 0) > 10
+    assert statuses.get(400, 0) > N_REQUESTS // 3 and statuses.get(200, 0) > 5
     assert {401, 404, 405, 413} <= set(statuses), statuses
 
 

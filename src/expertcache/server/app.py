@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from functools import partial
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -98,21 +99,21 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
     @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(request: Request):
         body = await body_of(request)
-        messages = P.chat_messages(body)
-        gen, stream, include_usage = _options(body)
-        ids = await off_loop("messages", model.tokenizer.encode_chat, messages)
+        gen, stream, include_usage = _options(body, chat=True)
+        messages, variables = P.chat_messages(body), P.template_kwargs(body)
+        ids = await off_loop("messages", partial(model.tokenizer.encode_chat, **variables), messages)
         return await _generate(request, body, ids, gen, stream, include_usage, "messages", chat=True)
 
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: Request):
         body = await body_of(request)
-        gen, stream, include_usage = _options(body)
+        gen, stream, include_usage = _options(body, chat=False)
         ids = await off_loop("prompt", P.completion_prompt, body, model.tokenizer, model.cfg.vocab_size)
         return await _generate(request, body, ids, gen, stream, include_usage, "prompt", chat=False)
 
-    def _options(body: dict) -> tuple[dict, bool, bool]:
+    def _options(body: dict, chat: bool) -> tuple[dict, bool, bool]:
         """Every field but the prompt, checked before the prompt is rendered and tokenized."""
-        gen = P.sampling(body, ctx)
+        gen = P.sampling(body, ctx, chat)
         gen["ubatch"] = ubatch
         stream = P.get_bool(body, "stream", False)
         opts = body.get("stream_options")

@@ -227,30 +227,108 @@ def _reject(body: dict, name: str, allowed) -> None:
     # A boolean matches only a boolean: in Python `True == 1` and `0 == False`, which would let
     # `"n": true` or `"echo": 0` pass as the supported value.
     if v is not None and not any(v == a and isinstance(v, bool) == isinstance(a, bool) for a in allowed):
-        raise ApiError(f"'{name}' = {_short(v)} is not supported by this server (only "
-                       f"{' or '.join(json.dumps(a) for a in allowed)})", param=name, code="unsupported_parameter")
+        only = " or ".join(["null", *(json.dumps(a) for a in allowed)])
+        raise ApiError(f"'{name}' = {_short(v)} is not supported by this server (only {only})", param=name,
+                       code="unsupported_parameter")
 
 
-def sampling(body: dict, ctx: int) -> dict:
+# The fields the generation routes read; any other is refused (400 `unsupported_parameter`), as
+# OpenAI's API refuses an unrecognized argument. Ignoring it would change the answer without a
+# word: a sampler of another server (`repeat_penalty`, `grammar`), a newer
+# OpenAI feature (`reasoning_effort`, `audio`), a misspelt name, a `prompt` sent to the chat route.
+_FIELDS = frozenset({
+    "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "n_predict", "temperature",
+    "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos", "cache_prompt",
+    # Honoured only at their neutral value (sampling() refuses any other).
+    "n", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "presence_penalty", "frequency_penalty",
+    "logit_bias", "tools", "tool_choice", "functions", "function_call", "response_format", "modalities",
+    # Accepted and ignored: they label the request (who sent it, what to keep, billing) and change
+    # nothing in its answer.
+    "user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls",
+})
+CHAT_FIELDS = _FIELDS | {"messages", "chat_template_kwargs"}
+COMPLETION_FIELDS = _FIELDS | {"prompt"}
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name in body:
+        if name not in known:
+            route = "/v1/chat/completions" if chat else "/v1/completions"
+            shown = name if len(name) <= 60 else name[:57] + "..."
+            raise ApiError(f"unrecognized request argument '{shown}': {route} on this server does not "
+                           "support it, and refuses it rather than ignore it", param=shown,
+                           code="unsupported_parameter")
+
+
+def _no_tools(body: dict, name: str) -> None:
+    """`tools` / `functions`: absent or empty (the model is never offered a function to call)."""
+    v = body.get(name)
+    if v is None:
+        return
+    if not isinstance(v, list):
+        raise ApiError(f"'{name}' must be an array, got {_type_name(v)}", param=name)
+    if v:
+        raise ApiError(f"'{name}' are not supported by this server", param=name, code="unsupported_parameter")
+
+
+def _no_forced_call(body: dict, name: str) -> None:
+    """`tool_choice` / `function_call`: "none" or "auto" (with no tools, the answer is text either
+    way); "required" or a named function asks for a call this server cannot make."""
+    v = body.get(name)
+    if v is None or v in ("none", "auto"):
+        return
+    if not isinstance(v, str | dict):
+        raise ApiError(f"'{name}' must be a string or an object, got {_type_name(v)}", param=name)
+    raise ApiError(f"'{name}' = {_short(v)} is not supported by this server (only \"none\" or \"auto\": it "
+                   "calls no tools)", param=name, code="unsupported_parameter")
+
+
+def _no_logit_bias(body: dict) -> None:
+    v = body.get("logit_bias")
+    if v is None:
+        return
+    if not isinstance(v, dict):
+        raise ApiError(f"'logit_bias' must be an object of token ids to numbers, got {_type_name(v)}",
+                       param="logit_bias")
+    if v:
+        raise ApiError(f"'logit_bias' = {_short(v)} is not supported by this server (only {{}} or null: its "
+                       "sampler takes no biases)", param="logit_bias", code="unsupported_parameter")
+
+
+def sampling(body: dict, ctx: int, chat: bool) -> dict:
     """generate() keyword arguments from a request, all checked. max_tokens is None when the
     request leaves it out (`limit_tokens` settles it once the prompt is known); it may not exceed
     the context, and a completion that would run past it is cut there (finish_reason "length"),
-    as llama-server does."""
+    as llama-server does. A field this server does not honour is refused, never ignored: only its
+    neutral value passes."""
+    check_fields(body, chat)
     _reject(body, "n", (1,))
-    _reject(body, "logprobs", (False, 0))
+    # Chat's `logprobs` is a boolean; the legacy route's is a count, and 0 still asks for the
+    # chosen tokens' log probabilities, so only null passes there.
+    _reject(body, "logprobs", (False,) if chat else ())
     _reject(body, "top_logprobs", (0,))
     _reject(body, "echo", (False,))
     _reject(body, "best_of", (1,))
     _reject(body, "suffix", ("",))
-    if body.get("tools"):
-        raise ApiError("'tools' are not supported by this server", param="tools", code="unsupported_parameter")
+    _no_tools(body, "tools")
+    _no_tools(body, "functions")
+    _no_forced_call(body, "tool_choice")
+    _no_forced_call(body, "function_call")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
         raise ApiError("'response_format' other than text is not supported", param="response_format",
                        code="unsupported_parameter")
-    # Accepted and ignored, but checked as OpenAI does: a wrong type is the client's mistake.
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise ApiError(f"'modalities' = {_short(modalities)} is not supported by this server (only [\"text\"])",
+                       param="modalities", code="unsupported_parameter")
+    # No repetition penalty in the sampler: 0 (OpenAI's default) is the only value it honours.
     for name in ("presence_penalty", "frequency_penalty"):
-        get_number(body, name, 0.0, -2.0, 2.0)
+        if get_number(body, name, 0.0, -2.0, 2.0) != 0.0:
+            raise ApiError(f"'{name}' = {body[name]} is not supported by this server (only 0)", param=name,
+                           code="unsupported_parameter")
+    _no_logit_bias(body)
     names = [n for n in ("max_completion_tokens", "max_tokens", "n_predict") if body.get(n) is not None]
     name = names[0] if names else "max_tokens"
     return {
@@ -274,6 +352,25 @@ def limit_tokens(gen: dict, ctx: int, prompt_tokens: int) -> None:
 
 
 # ---- prompts ----
+def template_kwargs(body: dict) -> dict:
+    """`chat_template_kwargs` (llama-server's and vLLM's extension): more variables for the chat
+    template, such as Qwen3's `enable_thinking`. The template's own inputs are not among them."""
+    v = body.get("chat_template_kwargs")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ApiError(f"'chat_template_kwargs' must be an object, got {_type_name(v)}", param="chat_template_kwargs")
+    for name in ("messages", "add_generation_prompt"):
+        if name in v:
+            raise ApiError(f"'chat_template_kwargs' may not set '{name}' (the request's own)",
+                           param="chat_template_kwargs")
+    bad = next((k for k in v if not k.isidentifier()), None)
+    if bad is not None:
+        raise ApiError(f"'chat_template_kwargs' key {_short(bad)} is not a template variable name",
+                       param="chat_template_kwargs")
+    return v
+
+
 def chat_messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if msgs is None:
