@@ -387,6 +387,9 @@ class ExpertCache:
         op)."""
         if not experts or not self.prefetching or self.residency.ops_planned == 0:
             return
+        # The worker first: one that cannot start (no thread to be had) leaves nothing planned,
+        # where a plan without its jobs would leave slots claiming experts no one copies.
+        worker = self._start_worker()
         self._reap()
         pf = self.residency.plan_prefetch(layer, list(experts))
         if self._pending:
@@ -396,7 +399,6 @@ class ExpertCache:
         if not pf.experts:
             return
         self._describe(layer, zip(pf.experts, pf.slots))
-        worker = self._start_worker()
         # The runs are in id order; the worker takes them best-ranked first, so that what the op
         # most likely needs is there soonest.
         rank = {e: r for r, e in enumerate(experts)}

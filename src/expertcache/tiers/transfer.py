@@ -175,12 +175,20 @@ class CopyWorker:
             job.state = RUNNING
             return True
 
-    def run_claimed(self, job: CopyJob) -> None:
-        """Run a job `claim` handed over, in the calling thread; its error, if any, is kept."""
+    def run_claimed(self, job: CopyJob, after_slots: bool = False) -> None:
+        """Run a job `claim` handed over, in the calling thread (with `after_slots`, once the job
+        the worker runs no longer writes its slots); its error, if any, is kept. A BaseException
+        (KeyboardInterrupt) is kept too, so that the job reads as failed and not as copied, and
+        raised again; either way the job ends DONE, so that no one waits for it forever."""
         try:
+            if after_slots:
+                self.wait_for_slots(job.slots)
             self._run(job)
         except Exception as e:
             job.error = e
+        except BaseException as e:
+            job.error = e
+            raise
         finally:
             with self._cond:
                 job.state = DONE
@@ -190,8 +198,7 @@ class CopyWorker:
         """Have `job` done: run here if the worker has not started it (once the job the worker
         runs no longer writes its slots), waited for otherwise. Its error is in `job.error`."""
         if self.claim(job):
-            self.wait_for_slots(job.slots)
-            self.run_claimed(job)
+            self.run_claimed(job, after_slots=True)
         else:
             job.done.wait()
 
