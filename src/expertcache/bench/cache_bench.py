@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -234,28 +235,35 @@ def configurations(args) -> list[dict]:
 def table(rows: list[dict]) -> str:
     """One line per configuration: prefill tok/s (and as a ratio of the resident mode's on the
     same store), the slow tier's bytes per prompt token (and as a multiple of all expert bytes
-    per stretch), then decode."""
-    head = (f"{'mode':<9}{'store':<6}{'cap':>6}{'slots':>7}{'pf':>4}  {'prefill t/s':>11}{'x res':>7}{'pf MB/tok':>10}"
-            f"{'x all':>7}  {'decode t/s':>10}{'hit rate':>9}{'MB/tok':>9}{'copy GB/s':>10}{'stall ms/t':>11}"
-            f"{'peak RSS MB':>12}")
+    per stretch), then decode; a legend names what each short header measures."""
+    head = (f"{'mode':<9}{'store':<6}{'cap':>6}{'slots':>7}{'prefetch':>9}  {'prefill t/s':>11}{'x res':>7}"
+            f"{'read MB/tok':>12}{'x all':>7}  {'decode t/s':>10}{'hit rate':>9}{'MB/tok':>9}{'copy GB/s':>10}"
+            f"{'stall ms/tok':>13}{'peak RSS MiB':>13}")
     lines = [head, "-" * len(head)]
     resident = {r["store"]: r["prefill"]["tok_s"] for r in rows if r["mode"] == "resident"}
     for r in rows:
         cap = "all" if r["mode"] == "resident" else ("-" if r["fraction"] is None else f"{r['fraction']:.0%}")
         d, p = r["decode"], r["prefill"]
-        ratio = p["tok_s"] / resident[r["store"]] if r["store"] in resident else float("nan")
+        ratio = f"{p['tok_s'] / resident[r['store']]:.2f}" if r["store"] in resident else "-"
         read = p["bytes_read_per_token"] * p["tokens"]
         amortized = read / (r["expert_bytes_total"] * max(1, p["stretches"]))
-        pf = "on" if r.get("prefetch") else "-"
+        # Prefetch is a cache-mode setting: "-" where it does not apply, "off" where it was off.
+        pf = "-" if r["mode"] != "cache" else ("on" if r.get("prefetch") else "off")
         stall = d.get("stall_seconds", 0.0) / max(1, d["tokens"]) * 1e3
-        lines.append(f"{r['mode']:<9}{r['store']:<6}{cap:>6}{r['capacity']:>7}{pf:>4}  {p['tok_s']:>11.1f}{ratio:>7.2f}"
-                     f"{p['bytes_read_per_token'] / 1e6:>10.3f}{amortized:>7.2f}  "
+        lines.append(f"{r['mode']:<9}{r['store']:<6}{cap:>6}{r['capacity']:>7}{pf:>9}  {p['tok_s']:>11.1f}{ratio:>7}"
+                     f"{p['bytes_read_per_token'] / 1e6:>12.3f}{amortized:>7.2f}  "
                      f"{d['tok_s']:>10.2f}{d['hit_rate']:>9.3f}{d['copied_bytes_per_token'] / 1e6:>9.2f}"
-                     f"{d['copy_gb_s']:>10.2f}{stall:>11.2f}{r['peak_rss_bytes'] / 2**20:>12.0f}")
+                     f"{d['copy_gb_s']:>10.2f}{stall:>13.2f}{r['peak_rss_bytes'] / 2**20:>13.0f}")
     first = rows[0] if rows else None
     if first is not None:
         lines.append(f"prefill: stretches of {first['prefill_stretch']} tokens, "
                      f"{first['stretch_activation_bytes'] / 2**20:.0f} MiB of activations each")
+    lines.append(textwrap.fill(
+        "cap: cache size, % of all experts; slots: experts the fast tier holds. prefill: x res = tok/s over "
+        "the resident mode's on the same store; read MB/tok = slow-tier bytes read per prompt token; "
+        "x all = those bytes over all expert bytes per stretch (1 = each expert read once). decode: hit "
+        "rate = share of the experts used that were resident; MB/tok = bytes copied per token; stall "
+        "ms/tok = time waiting for copies per token. MB, GB: 10^6, 10^9 bytes; MiB: 2^20.", len(head)))
     return "\n".join(lines)
 
 
@@ -315,7 +323,8 @@ def cmd_bench_cache(args) -> int:
         load_trace(args.route_trace).check_floor(args.prefetch_min_prob)
     rows, failed = [], []
     specs = configurations(args)
-    for spec in tqdm(specs, desc="bench cache", unit="config", file=sys.stderr):
+    # disable=None: a bar on a terminal only; in a log its carriage returns would be noise.
+    for spec in tqdm(specs, desc="bench cache", unit="config", file=sys.stderr, disable=None):
         p = subprocess.run([sys.executable, "-m", "expertcache.bench.cache_bench", json.dumps(spec)],
                            capture_output=True, text=True)
         if p.returncode != 0:
@@ -372,10 +381,11 @@ def add_parser(suites) -> None:
     p.add_argument("--stores", default="ram,mmap,disk", help="slow tiers to measure (default: ram,mmap,disk)")
     p.add_argument("--prefill", type=positive_int, default=256, help="prompt tokens (default: 256)")
     p.add_argument("--decode", type=positive_int, default=32, help="decoded tokens (default: 32)")
-    p.add_argument("--ubatch", type=positive_int, default=512)
+    p.add_argument("--ubatch", type=positive_int, default=512, help="prefill micro-batch size (default: 512)")
     add_prefill_flags(p)
     # Checked here, not when the first configuration's process starts (and then in 3 lines).
-    p.add_argument("-t", "--threads", type=threads, default=torch.get_num_threads())
+    p.add_argument("-t", "--threads", type=threads, default=torch.get_num_threads(),
+                   help="CPU threads for torch (default: %(default)s, this machine's)")
     p.add_argument("--dtype", type=dtype_name, help="compute dtype: float32, bfloat16 or float16 "
                                                      "(default: the checkpoint's)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default: cpu)")

@@ -444,7 +444,9 @@ def add_parser(suites) -> None:
         threads
 
     p = suites.add_parser("serve", help="measure an OpenAI-compatible server: steady, prefill or turns")
-    p.add_argument("--suite", choices=SUITE_NAMES, required=True)
+    p.add_argument("--suite", choices=SUITE_NAMES, required=True,
+                   help="steady: requests one after another for --duration; prefill: one cold request of "
+                        "--prompt-tokens; turns: one conversation growing to --target-ctx")
     p.add_argument("--url", type=_server_url, help="a running server, e.g. http://127.0.0.1:8080")
     p.add_argument("--model-id", help="model name to send (default: the first of /v1/models)")
     p.add_argument("--prompt-tokens", type=positive_int,
@@ -460,10 +462,11 @@ def add_parser(suites) -> None:
     g.add_argument("--compare", help="cache modes to serve in turn, the first is the control (e.g. staging,cache)")
     g.add_argument("-t", "--threads", type=threads, help="CPU threads of the server (the same in every mode)")
     g.add_argument("-c", "--ctx-size", type=positive_int, help="context of the server's slot")
-    g.add_argument("--dtype", type=dtype_name)
+    g.add_argument("--dtype", type=dtype_name,
+                   help="compute dtype: float32, bfloat16 or float16 (default: the checkpoint's)")
     add_kernels_flag(g)
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--ubatch", type=positive_int, default=512)
+    g.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    g.add_argument("--ubatch", type=positive_int, default=512, help="prefill micro-batch size (default: 512)")
     add_prefill_flags(g)
     g.add_argument("--startup-timeout", type=_seconds, default=300.0, help="seconds to wait for /health (default: 300)")
     add_cache_flags(p)

@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import statistics
 import sys
+import textwrap
 import time
 
 import torch
@@ -429,7 +430,7 @@ def side_by_side(model, lc: LlamaCppProcess, prompt: list[int], decode: int, pre
         wait_idle(pids)
         runs[key]["llamacpp"].append(theirs())
 
-    for _ in tqdm(range(pairs), desc="vs llama.cpp", unit="pair", file=sys.stderr):
+    for _ in tqdm(range(pairs), desc="vs llama.cpp", unit="pair", file=sys.stderr, disable=None):
         pair("decode", lambda: _decode(model, prompt[:64], decode)["tok_s"], lambda: lc.decode(prompt[:64], decode))
         for p in prefills:
             pair(f"prefill_{p}", lambda: _prefill(model, prompt[:p], ubatch)["tok_s"], lambda: lc.prefill(prompt[:p]))
@@ -459,7 +460,8 @@ def _run(args, lc: LlamaCppProcess | None) -> dict:
     results = []
     prompt: list[int] = []
     resident = None  # kept loaded: every other mode's bound is timed in pairs against it
-    bar = tqdm(configs, desc="bench speed", unit="config", file=sys.stderr)
+    # disable=None: a bar on a terminal only; in a log its carriage returns would be noise.
+    bar = tqdm(configs, desc="bench speed", unit="config", file=sys.stderr, disable=None)
     for mode, frac in bar:
         model = expertcache.load(args.model, dtype=args.dtype, cache=CacheConfig(mode=mode, fraction=frac, store="ram"),
                                  ctx_size=max(args.prefill) + args.decode + 72, kernels=args.kernels,
@@ -523,10 +525,18 @@ def table(out: dict) -> str:
         d, s = r["decode"], r["decode"]["split_ms"]
         cap = "all" if r["mode"] == "resident" else ("-" if r["fraction"] is None else f"{r['fraction']:.0%}")
         bound = f"{d['ratio_to_bound']:.2f}x" if "ratio_to_bound" in d else ""
+        # Every part without a column of its own (the LM head, dense MLP layers, ...) is in `rest`, so
+        # that the columns add up to ms/tok.
+        rest = sum(v for k, v in s.items() if k not in ("routing", "attention", "experts", "copies"))
         lines.append(f"{r['mode']:<9}{cap:>5} {d['tok_s']:>10.2f} {d['ms_per_token']:>7.1f} "
                      f"{s.get('routing', 0):>6.1f} {s.get('attention', 0):>6.1f} {s.get('experts', 0):>6.1f} "
-                     f"{s.get('copies', 0):>6.1f} {s.get('rest', 0) + s.get('lm_head', 0):>6.1f} "
+                     f"{s.get('copies', 0):>6.1f} {rest:>6.1f} "
                      f"{d['read_gb_s']:>9.1f} {d['read_fraction']:>7.0%} {bound:>8}")
+    lines.append(textwrap.fill(
+        "route, attn, exprt, copy, rest: ms per decoded token in the routers, the attention (or DeltaNet) "
+        "layers, the experts' products, copying experts into slots, and the rest (dense MLPs, LM head, "
+        "sampling); read GB/s: weight bytes read per token x tok/s; of peak: over the machine's read rate",
+        len(head)))
     if len(out["results"]) > 1:
         lines.append(f"vs bound: decode time over (resident's, timed just before, + missed bytes / copy bandwidth), "
                      f"median of {out['pairs']} such pairs")
@@ -596,13 +606,15 @@ def add_parser(suites) -> None:
     from .cache_bench import _fractions
 
     p = suites.add_parser("speed", help="decode/prefill speed, time split, bandwidth and FLOP/s vs the machine")
-    p.add_argument("-m", "--model", required=True)
-    p.add_argument("-t", "--threads", type=threads, default=torch.get_num_threads())
+    p.add_argument("-m", "--model", required=True, help="checkpoint (use `expertcache synth` for real sizes)")
+    p.add_argument("-t", "--threads", type=threads, default=torch.get_num_threads(),
+                   help="CPU threads for torch (default: %(default)s, this machine's)")
     p.add_argument("--decode", type=positive_int, default=32, help="decode steps (default: 32)")
     p.add_argument("--prefill", type=_lengths, default=list(PREFILLS), metavar="N[,N...]",
                    help="prompt lengths (default: 256,512,2048)")
-    p.add_argument("--fractions", type=_fractions, default=[0.25, 0.5, 0.75])
-    p.add_argument("--ubatch", type=positive_int, default=512)
+    p.add_argument("--fractions", type=_fractions, default=[0.25, 0.5, 0.75],
+                   help="cache capacities as fractions of all experts (default: 0.25,0.5,0.75)")
+    p.add_argument("--ubatch", type=positive_int, default=512, help="prefill micro-batch size (default: 512)")
     p.add_argument("--dtype", type=dtype_name, help="compute dtype: float32, bfloat16 or float16 "
                                                      "(default: the checkpoint's)")
     add_kernels_flag(p)

@@ -113,7 +113,9 @@ def _run(model, ids, bos_id, args, label: str | None) -> PerplexityResult:
 
     n = num_chunks(len(ids), args.ctx_size, args.chunks)
     desc = f"perplexity [{label}]" if label else "perplexity"
-    with tqdm(total=n, desc=desc, unit="chunk", file=sys.stderr, leave=False, dynamic_ncols=True) as bar:
+    # disable=None: a bar on a terminal only; in a log its carriage returns would be noise.
+    with tqdm(total=n, desc=desc, unit="chunk", file=sys.stderr, leave=False, dynamic_ncols=True,
+              disable=None) as bar:
         state = {"nll": 0.0, "count": 0}
 
         def progress(chunk) -> None:
@@ -168,9 +170,10 @@ def _print_table(runs) -> None:
         t = tel.get("total", {})
         tps = len(res.chunks) * res.n_ctx / res.seconds if res.seconds > 0 else 0.0
         unc = res.uncertainty
-        print(f"{mode:<9} {res.ppl:>10.4f} {unc if unc is not None else float('nan'):>9.5f} {tps:>8.1f} "
+        cap = f"{tel.get('capacity', 0)}/{tel.get('total_experts', 0)}"  # one cell, under its header
+        print(f"{mode:<9} {res.ppl:>10.4f} {'-' if unc is None else f'{unc:.5f}':>9} {tps:>8.1f} "
               f"{t.get('hit_rate', 0.0):>8.3f} {t.get('copied_bytes', 0) / 1e6:>10.1f} "
-              f"{tel.get('capacity', 0):>4}/{tel.get('total_experts', 0)}")
+              f"{cap:>8}")
 
 
 def register(sub) -> None:

@@ -153,10 +153,10 @@ def cmd_info(args) -> int:
         info["tensor_types"] = groups
         dense = m.ckpt
         blocks = [n for n in dense.names if dense.row_order(n) is not None]
-        mb = sum(dense.gg.info(dense.names[n]).nbytes for n in blocks) / 1e6
+        nbytes = sum(dense.gg.info(dense.names[n]).nbytes for n in blocks)
         info["dense_weights"] = (
-            f"{len(blocks)} quantized matrices ({mb:,.1f} MB) stay the file's blocks where the kernels multiply "
-            "blocks (with 8-bit activations: the CPU default, or --activations q8; routers and family-specific "
+            f"{len(blocks)} quantized matrices ({_human_bytes(nbytes)}) stay the file's blocks where the kernels "
+            "multiply blocks (with 8-bit activations: the CPU default, or --activations q8; routers and family-specific "
             f"projections excepted); everything else is dequantized at load to {str(cfg.dtype).removeprefix('torch.')} "
             "(--dtype)")
     if args.json:
@@ -164,12 +164,35 @@ def cmd_info(args) -> int:
         return 0
     width = max(len(k) for k in info)
     for k, v in info.items():
-        if isinstance(v, int) and k.startswith(("params", "bytes", "expert_bytes", "dense_bytes")):
-            v = f"{v:,}"
-        elif isinstance(v, dict):
-            v = "; ".join(f"{a}: {b}" for a, b in v.items())
-        print(f"{k:<{width}}  {v}")
+        print(f"{k:<{width}}  {_info_value(k, v)}")
     return 0
+
+
+def _info_value(key: str, v) -> str:
+    """A value of `info` as a person reads it: counts with thousands separators and bytes beside
+    their size in binary units; nested tables as one line, not Python's repr."""
+    if key == "bytes_per_expert_by_layer":  # {layer: bytes}: layers of one size together
+        by_size: dict[int, list[int]] = {}
+        for layer, n in v.items():
+            by_size.setdefault(n, []).append(layer)
+        return "; ".join(f"{n:,} ({_human_bytes(n)}): {_ranges(layers)}" for n, layers in by_size.items())
+    if key == "tensor_types":  # {group: {type: count}}
+        return "; ".join(f"{g}: " + ", ".join(f"{t}" + (f" x{n}" if n > 1 else "") for t, n in kinds.items())
+                         for g, kinds in v.items())
+    if isinstance(v, dict):
+        return "; ".join(f"{a}: {b}" for a, b in v.items())
+    if isinstance(v, int) and key.startswith("params"):
+        return f"{v:,} ({v / 1e9:.2f}B)" if v >= 1e9 else f"{v:,} ({v / 1e6:.1f}M)"
+    if isinstance(v, int) and key.startswith(("bytes", "expert_bytes", "dense_bytes")):
+        return f"{v:,} ({_human_bytes(v)})"
+    return str(v)
+
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 def _ranges(layers: list[int]) -> str:
@@ -201,22 +224,25 @@ def register(sub) -> None:
     r = sub.add_parser("run", help="generate text from a prompt, a file, or a chat on stdin")
     add_model_flags(r)
     add_cache_flags(r)
-    r.add_argument("-p", "--prompt")
+    r.add_argument("-p", "--prompt", help="prompt text")
     r.add_argument("-f", "--file", help="read the prompt from a UTF-8 file")
     r.add_argument("--chat", action="store_true", help="chat: one user message per line on stdin")
     r.add_argument("--system", help="system message for --chat")
     r.add_argument("-n", "--n-predict", type=nonneg_int, default=128, help="tokens to generate (default: 128)")
     r.add_argument("--temp", type=finite_float, default=0.0, help="temperature; 0 = greedy (default)")
-    r.add_argument("--top-k", type=nonneg_int, default=0)
-    r.add_argument("--top-p", type=finite_float, default=1.0)
-    r.add_argument("--min-p", type=finite_float, default=0.0)
+    r.add_argument("--top-k", type=nonneg_int, default=0, help="sample from the K likeliest tokens; 0 = all (default)")
+    r.add_argument("--top-p", type=finite_float, default=1.0,
+                   help="sample from the likeliest tokens whose probabilities sum to P (default: 1.0, all)")
+    r.add_argument("--min-p", type=finite_float, default=0.0,
+                   help="drop tokens below P x the likeliest token's probability (default: 0, none)")
     r.add_argument("--seed", type=seed, help="sampling seed, 64 bits (default: a random one)")
     r.add_argument("--stop", action="append", help="stop string (repeatable)")
-    r.add_argument("--ignore-eos", action="store_true")
+    r.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     r.set_defaults(func=cmd_run)
 
     i = sub.add_parser("info", help="architecture, parameter counts and expert sizes of a checkpoint")
-    i.add_argument("-m", "--model")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("-m", "--model", help="a checkpoint directory or a GGUF file (default: the bundled tiny "
+                                         "Qwen3-MoE)")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
     i.set_defaults(func=cmd_info)

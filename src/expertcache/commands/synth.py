@@ -34,5 +34,6 @@ def register(sub) -> None:
                    "q4_k_m (llama.cpp's recipe, random valid blocks) or bf16")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random weights, 64 bits (default: 0)")
     p.add_argument("--force", action="store_true", help="replace an earlier output of synth or pack")
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("-o", "--output", required=True,
+                   help="directory to write (with --quant: a .gguf file); must not exist, unless --force")
     p.set_defaults(func=cmd_synth)

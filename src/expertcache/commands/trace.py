@@ -184,6 +184,26 @@ def _check_plot_path(path: str) -> None:
 
 
 def _plot(path: str, title: str, rows, total_experts: int) -> None:
+    fig = _figure(title, rows, total_experts)
+    import matplotlib.pyplot as plt
+
+    try:
+        with atomic_file(Path(path)) as tmp:  # no half-written PNG is left at `path`
+            fig.savefig(tmp, format="png")
+    except OSError as e:
+        raise ExpertCacheError(f"cannot write {path!r}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
+
+
+# Policies often tie (at large capacities all of them miss only first uses): each gets its own
+# marker and line style, drawn hollow and smaller in turn, so that a line drawn over another's
+# still shows both.
+_STYLES = [("s", "-"), ("^", "--"), ("D", "-."), ("v", ":"), ("P", "-"), ("X", "--"), ("<", "-.")]
+
+
+def _figure(title: str, rows, total_experts: int):
+    """The figure of `trace simulate --plot`: hit rate against capacity, one line per policy."""
     try:
         import matplotlib
     except ImportError:
@@ -196,29 +216,30 @@ def _plot(path: str, title: str, rows, total_experts: int) -> None:
     for row in rows:
         by_policy.setdefault(row.result.policy, []).append(row.result)
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    others = [name for name in by_policy if name not in ("belady", DEFAULT_POLICY)]
     for name, results in by_policy.items():
         x = [100 * r.capacity / total_experts for r in results]
         y = [r.hit_rate for r in results]
         if name == "belady":
-            ax.plot(x, y, "k--", marker="o", label="Belady MIN", linewidth=2)
+            ax.plot(x, y, "k--", marker="o", markersize=5, label="Belady MIN", linewidth=2,
+                    zorder=3)
+        elif name == DEFAULT_POLICY:
+            ax.plot(x, y, marker="o", markersize=11, fillstyle="none", markeredgewidth=2, color="C4",
+                    label=f"{name} (default)", linewidth=2.5, alpha=0.8, zorder=2)
         else:
-            label = f"{name} (default)" if name == DEFAULT_POLICY else name
-            ax.plot(x, y, marker="o", label=label, linewidth=2.5 if name == DEFAULT_POLICY else 1.2)
+            i = others.index(name)
+            marker, style = _STYLES[i % len(_STYLES)]
+            ax.plot(x, y, marker=marker, linestyle=style, markersize=9 - 1.2 * i, fillstyle="none",
+                    color=f"C{i}", label=name, linewidth=1.3, zorder=4 + i)
     ax.set_xlabel("cache capacity (% of all experts)")
-    ax.set_ylabel("hit rate")
-    ax.set_ylim(0, 1)
+    ax.set_ylabel("hit rate (share of expert uses already in the cache)")
+    ax.set_ylim(0, 1.02)
     ax.set_xlim(0, 100)
     ax.grid(alpha=0.3)
-    ax.set_title(Path(title).name, fontsize=10)
+    ax.set_title(f"{Path(title).name}: hit rate by cache capacity, demand loads only", fontsize=10)
     ax.legend(loc="lower right", fontsize=9)
     fig.tight_layout()
-    try:
-        with atomic_file(Path(path)) as tmp:  # no half-written PNG is left at `path`
-            fig.savefig(tmp, format="png")
-    except OSError as e:
-        raise ExpertCacheError(f"cannot write {path!r}: {e.strerror}") from None
-    finally:
-        plt.close(fig)
+    return fig
 
 
 # ---- stats -------------------------------------------------------------------------------------
@@ -250,8 +271,9 @@ def cmd_stats(args) -> int:
     for layer, p in pop.items():
         s = reuse_summary(dist[layer], p["uses"] - len(dist[layer]))
         layers[layer] = p | {"reuse": s}
+        entropy = f"{p['entropy_bits']:.2f}/{p['max_entropy_bits']:.2f}"  # one cell, under its header
         print(f"{layer:>5} {p['uses']:>8,} {p['top10_share']:>7.3f} {p['top25_share']:>7.3f} "
-              f"{p['entropy_bits']:>6.2f}/{p['max_entropy_bits']:<5.2f} {p['unused_experts']:>6} "
+              f"{entropy:>13} {p['unused_experts']:>6} "
               f"{s.get('p50', 0):>5.0f} {s.get('p75', 0):>5.0f} {s.get('p90', 0):>6.0f} {s.get('p99', 0):>6.0f} "
               f"{s.get('share_le_1', 0):>5.2f} {s.get('share_le_4', 0):>5.2f} {s.get('share_le_16', 0):>5.2f}")
     n10, n25 = top_counts(h.num_experts)
@@ -320,7 +342,8 @@ def cmd_fit_predictor(args) -> int:
     ids = model.tokenizer.encode(text)[: args.tokens]
     split_tokens(len(ids), args.held_out, args.ridge)
     if args.objective == "logits":
-        with tqdm(total=len(ids), desc="fit", unit="tok", file=sys.stderr) as bar:
+        # disable=None: a bar on a terminal only; in a log its carriage returns would be noise.
+        with tqdm(total=len(ids), desc="fit", unit="tok", file=sys.stderr, disable=None) as bar:
             maps, report = fit(model, ids, chunk=args.chunk, ridge=args.ridge, held_out=args.held_out,
                                progress=bar.update)
     else:
@@ -330,7 +353,7 @@ def cmd_fit_predictor(args) -> int:
             if name not in bars:
                 for bar in bars.values():  # the run is over when training starts
                     bar.close()
-                bars[name] = tqdm(total=total, desc=name, unit=unit, file=sys.stderr)
+                bars[name] = tqdm(total=total, desc=name, unit=unit, file=sys.stderr, disable=None)
             bars[name].update(n)
 
         epochs = len(model.cfg.moe_layers) * args.epochs
@@ -385,8 +408,9 @@ def register(sub) -> None:
                                                                             "(default: 128)")
     r.add_argument("--max-prompt-tokens", type=positive_int, help="-f: keep only the file's first N tokens")
     r.add_argument("--temp", type=finite_float, default=0.0, help="temperature; 0 = greedy (default)")
-    r.add_argument("--top-k", type=nonneg_int, default=0)
-    r.add_argument("--top-p", type=finite_float, default=1.0)
+    r.add_argument("--top-k", type=nonneg_int, default=0, help="sample from the K likeliest tokens; 0 = all (default)")
+    r.add_argument("--top-p", type=finite_float, default=1.0,
+                   help="sample from the likeliest tokens whose probabilities sum to P (default: 1.0, all)")
     r.add_argument("--seed", type=seed, help="sampling seed, 64 bits (default: a random one)")
     r.add_argument("--ignore-eos", action="store_true", help="keep decoding past the end-of-text token")
     r.add_argument("--no-predictions", action="store_true",
@@ -395,7 +419,7 @@ def register(sub) -> None:
     r.set_defaults(func=cmd_record)
 
     s = tsub.add_parser("simulate", help="replay a trace through each policy and Belady's MIN")
-    s.add_argument("trace")
+    s.add_argument("trace", help="trace file (.npz) written by `trace record`")
     s.add_argument("--capacity", default=DEFAULT_CAPACITIES,
                    help="comma-separated percentages of all experts or slot counts (default: "
                    + DEFAULT_CAPACITIES.replace("%", "%%") + ")")
@@ -431,7 +455,8 @@ def register(sub) -> None:
     fp.set_defaults(func=cmd_fit_predictor)
 
     st = tsub.add_parser("stats", help="expert popularity and reuse distances, per layer")
-    st.add_argument("trace")
-    st.add_argument("--phase", choices=("all", "prefill", "decode"), default="all")
+    st.add_argument("trace", help="trace file (.npz) written by `trace record`")
+    st.add_argument("--phase", choices=("all", "prefill", "decode"), default="all",
+                    help="count only the prefill or the decode ops (default: all)")
     add_prefetch_width_flag(st)  # with --prefetch-min-prob, one more pair of columns: that width and floor
     st.set_defaults(func=cmd_stats)

@@ -67,7 +67,8 @@ def pack(model_dir: str | Path, out: str | Path, dtype=None, force: bool = False
     raw.pop("torch_dtype", None)
     raw["dtype"] = str(out_dtype).removeprefix("torch.")
     with atomic_output_dir(Path(out), force, sources=(Path(model_dir),)) as tmp:
-        with tqdm(total=total, unit="B", unit_scale=True, desc="packing", disable=not progress) as bar:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="packing",
+                  disable=None if progress else True) as bar:  # None: a bar only on a terminal
             write_safetensors(tmp / "model.safetensors", planned, bar.update)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
         copy_side_files(Path(model_dir), tmp)

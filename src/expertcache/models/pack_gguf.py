@@ -67,7 +67,8 @@ def pack_gguf(src: str | Path, out: str | Path, force: bool = False, progress: b
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for name, layer in tqdm(plan, desc="packing", unit="tensor", disable=not progress):
+        for name, layer in tqdm(plan, desc="packing", unit="tensor",
+                                disable=None if progress else True):  # None: a bar only on a terminal
             if layer is None:
                 w.write_tensor_data(gg.read(name).numpy())
             else:

@@ -123,7 +123,8 @@ def synth(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None = 2, 
     planned = [PlannedTensor(n, torch_dtype, s, random(s, n)) for n, s in expected_shapes(cfg, arch, layout).items()]
     total = sum(t.nbytes for t in planned)
     with atomic_output_dir(Path(out), force) as tmp:
-        with tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=not progress) as bar:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="synth",
+                  disable=None if progress else True) as bar:  # None: a bar only on a terminal
             write_safetensors(tmp / "model.safetensors", planned, bar.update)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
         write_byte_tokenizer(tmp, raw["vocab_size"])

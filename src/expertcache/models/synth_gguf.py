@@ -134,7 +134,8 @@ def synth_gguf(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None 
                         (p + "attn_q_norm.weight", (Dh,)), (p + "attn_k_norm.weight", (Dh,)),
                         (p + "ffn_gate_inp.weight", (E, D)), (p + "ffn_gate_exps.weight", (E, I, D)),
                         (p + "ffn_up_exps.weight", (E, I, D)), (p + "ffn_down_exps.weight", (E, D, I))]
-        for name, shape in tqdm(tensors, desc="synth", unit="tensor", disable=not progress):
+        for name, shape in tqdm(tensors, desc="synth", unit="tensor",
+                                disable=None if progress else True):  # None: a bar only on a terminal
             if len(shape) == 1:
                 w.add_tensor(name, np.ones(shape, dtype=np.float32))
             elif name.endswith("ffn_gate_inp.weight"):  # llama.cpp keeps the router in F32
@@ -207,7 +208,8 @@ def _gemma4(out: Path, raw: dict, quant: str, seed: int, progress: bool) -> Path
                         (p + "ffn_up.weight", (FF, D)), (p + "ffn_down.weight", (D, FF)),
                         (p + "ffn_gate_inp.weight", (E, D)), (p + "ffn_gate_up_exps.weight", (E, 2 * I, D)),
                         (p + "ffn_down_exps.weight", (E, D, I))]
-        for name, shape in tqdm(tensors, desc="synth", unit="tensor", disable=not progress):
+        for name, shape in tqdm(tensors, desc="synth", unit="tensor",
+                                disable=None if progress else True):  # None: a bar only on a terminal
             if len(shape) == 1:
                 w.add_tensor(name, np.ones(shape, dtype=np.float32))
             elif name.endswith("ffn_gate_inp.weight"):  # llama.cpp keeps the router in F32

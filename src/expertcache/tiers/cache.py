@@ -133,7 +133,8 @@ class ExpertCache:
     def _fill_all(self) -> None:
         """Resident mode: every expert in its slot before the first op (counted as load copies)."""
         big = sum(self.expert_bytes.values()) * self.num_experts >= LARGE_LOAD_BYTES
-        for layer in tqdm(self.moe_layers, desc="filling slots", unit="layer", leave=False, disable=not big):
+        for layer in tqdm(self.moe_layers, desc="filling slots", unit="layer", leave=False,
+                          disable=None if big else True):  # None: a bar only on a terminal
             plan = self.residency.plan(layer, list(range(self.num_experts)))
             done = 0
             try:

@@ -186,7 +186,7 @@ class RamStore(ExpertStore):
         total = source.num_experts * len(source.layers)
         big = sum(f.nbytes for f in self.formats.values()) * source.num_experts >= LARGE_LOAD_BYTES
         with tqdm(total=total, desc="loading experts", unit="expert", leave=False,
-                  disable=not progress or not big) as bar:
+                  disable=None if progress and big else True) as bar:  # None: a bar only on a terminal
             for layer in source.layers:
                 rows = host_zeros((source.num_experts, self.slot_bytes), torch.uint8, pin=pin)
                 src_fmt, fmt = self.src_formats[layer], self.formats[layer]
