@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 import expertcache
-from conftest import build_reference, save_checkpoint, tiny_config
+from conftest import assert_one_line_error, build_reference, run_cli, save_checkpoint, tiny_config
 from expertcache.server.app import create_app
 
 CTX = 128
@@ -134,3 +134,38 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
             err = c.post(CHAT, json={**base(CHAT), "chat_template_kwargs": value})
             assert err.status_code == 400 and err.json()["error"]["param"] == "chat_template_kwargs", err.text
             assert what in err.json()["error"]["message"]
+
+
+PREFLIGHT = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization,content-type"}
+
+
+def test_a_page_of_another_origin_may_call_the_api(tmp_path):
+    """As llama-server and vLLM answer by default: a browser's preflight (no key) is allowed, and
+    the answers, a refusal included, carry the header that lets the page read them."""
+    ckpt = save_checkpoint(build_reference(tiny_config("qwen3_moe"), seed=0), tmp_path / "m")
+    model = expertcache.load(ckpt, ctx_size=CTX)
+    with TestClient(create_app(model, api_key="k1")) as c:
+        r = c.options(CHAT, headers=PREFLIGHT)
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == "*"
+        assert {"authorization", "content-type"} <= set(r.headers["access-control-allow-headers"].lower().split(", "))
+        origin = {"Origin": "http://localhost:3000"}
+        ok = c.post(CHAT, json=base(CHAT), headers={**origin, "Authorization": "Bearer k1"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
+        denied = c.post(CHAT, json=base(CHAT), headers=origin)
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "*"
+    # Only the origins named; none at all.
+    with TestClient(create_app(model, cors_origins=("http://localhost:3000",))) as c:
+        assert c.options(CHAT, headers=PREFLIGHT).headers["access-control-allow-origin"] == "http://localhost:3000"
+        other = c.options(CHAT, headers={**PREFLIGHT, "Origin": "http://evil.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    with TestClient(create_app(model, cors_origins=())) as c:
+        r = c.post(CHAT, json=base(CHAT), headers={"Origin": "http://localhost:3000"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_serve_refuses_an_origin_that_is_not_one(capsys):
+    assert_one_line_error(*run_cli(capsys, "serve", "--cors-origins", "localhost:3000"), "--cors-origins",
+                          "'localhost:3000' is not an origin")
+    assert_one_line_error(*run_cli(capsys, "serve", "--cors-origins", "http://a.example/chat"), "not an origin")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import socket
 import sys
@@ -48,7 +49,8 @@ def cmd_serve(args) -> int:
         print(f"expertcache: warning: {warning}", file=sys.stderr, flush=True)
     model = load_model(args)
     app = create_app(model, model_id=args.alias, n_slots=args.parallel, cache_prompt=not args.no_cache_prompt,
-                     ubatch=args.ubatch, api_key=api_key, max_body_bytes=args.max_body_bytes)
+                     ubatch=args.ubatch, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                     cors_origins=args.cors_origins)
     print(f"expertcache: serving '{app.state.model_id}' on http://{host}:{port} "
           f"({args.parallel} slot(s) of {model.ctx_size} tokens, prompt cache "
           f"{'off' if args.no_cache_prompt else 'on'}, cache mode {model.telemetry().get('mode')}, "
@@ -76,6 +78,15 @@ def _ending_requests_first(server_class):
     return Server
 
 
+def _origins(text: str) -> tuple[str, ...]:
+    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    for o in origins:
+        if o != "*" and not (o.startswith(("http://", "https://")) and "/" not in o.split("://", 1)[1]):
+            raise argparse.ArgumentTypeError(f"{o!r} is not an origin: expected '*' or scheme://host[:port], "
+                                             "e.g. http://localhost:3000")
+    return origins
+
+
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a prompt cache")
     add_model_flags(p)
@@ -93,6 +104,9 @@ def register(sub) -> None:
     p.add_argument("--max-body-bytes", type=byte_count, default=MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body; larger ones get 413 (default: {MAX_BODY_BYTES // 2**20}MiB; "
                         "units KiB, MiB, GiB allowed)")
+    p.add_argument("--cors-origins", type=_origins, default=("*",), metavar="ORIGINS",
+                   help="web origins whose pages may call the API from a browser, comma-separated, e.g. "
+                        "http://localhost:3000; '*' any (default, as llama-server and vLLM), '' none")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default: warning)")
     p.set_defaults(func=cmd_serve)

@@ -11,6 +11,7 @@ from functools import partial
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,11 +30,13 @@ DISCONNECT_POLL_S = 0.1
 
 
 def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, cache_prompt: bool = True,
-               ubatch: int = 512, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               ubatch: int = 512, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               cors_origins: tuple[str, ...] = ("*",)) -> FastAPI:
     """An app serving `model` under `model_id` (default: the model directory's name) with
     `n_slots` slots of `model.ctx_size` tokens each; the worker runs while the app runs. With
     `api_key`, every route but /health wants it as a bearer token (see auth.py); a request body
-    over `max_body_bytes` is refused with 413."""
+    over `max_body_bytes` is refused with 413. Pages of `cors_origins` ("*": any) may call it
+    from a browser."""
     if model.tokenizer is None:
         raise ExpertCacheError(f"{model.path}: the server needs a tokenizer (tokenizer.json)")
     scheduler = Scheduler(model, n_slots, cache_prompt)
@@ -50,6 +53,11 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
 
     app = FastAPI(title="expertcache", lifespan=lifespan)
     app.state.scheduler, app.state.model_id, app.state.api_key = scheduler, served, api_key
+    if cors_origins:
+        # A browser asks before a page of another origin may call the API (a preflight, with no
+        # key); the answer lets it send the key and JSON, as llama-server's and vLLM's do.
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     authorized = [Depends(require_api_key)]
     registry = make_registry(model, scheduler)
 
