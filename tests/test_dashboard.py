@@ -75,3 +75,35 @@ def test_events_stream_the_state_and_want_the_key(model):
         event = json.loads(line[len("data: "):])
         event.pop("time"), state.pop("time")
         assert event == state  # nothing ran in between
+
+
+def test_the_page_works_behind_a_proxy_at_a_sub_path(model):
+    """A reverse proxy serving the app at /llm/ (the prefix stripped, as a Starlette Mount does):
+    every file the page loads and every route its scripts call must resolve under /llm/, so the
+    page may name none by an absolute path."""
+    import re
+    from urllib.parse import urljoin
+
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    outer = Starlette(routes=[Mount("/llm", app=create_app(model))])
+    with TestClient(outer) as c:
+        page = "/llm/"
+        html = c.get(page)
+        assert html.status_code == 200 and "<title>expertcache</title>" in html.text
+        files = re.findall(r'(?:src|href)="([^"]+)"', html.text)
+        assert "static/main.js" in files
+        pending, scripts = [urljoin(page, f) for f in files], {}  # url -> text: main.js and what it imports
+        while pending:
+            url = pending.pop()
+            r = c.get(url)
+            assert r.status_code == 200, url
+            if url.endswith(".js") and url not in scripts:
+                scripts[url] = r.text
+                pending += [urljoin(url, imp) for imp in re.findall(r'from "(\./[^"]+)"', r.text)]
+        calls = {m for text in scripts.values() for m in re.findall(r'api\("([^"]+)"', text)}
+        assert {"v1/models", "v1/chat/completions", "cache/events"} <= calls, calls
+        for call in calls:
+            assert urljoin(page, call).startswith(page), call  # a fetch resolves against the page
+        assert c.get(urljoin(page, "v1/models")).json()["data"][0]["id"] == model.path.name

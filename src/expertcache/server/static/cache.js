@@ -162,7 +162,7 @@ export async function startCache() {
     let timer = 0;
     const watch = () => { clearTimeout(timer); timer = setTimeout(() => ctrl.abort(), WATCHDOG_MS); };
     try {
-      const r = await api("/cache/events", { signal: ctrl.signal });
+      const r = await api("cache/events", { signal: ctrl.signal });
       if (!r.ok) throw new Error(`HTTP ${r.status}`);
       watch();
       setOnline(true);

@@ -83,7 +83,7 @@ async function send(text) {
   let answer = "";
   let finished = false;
   try {
-    const r = await api("/v1/chat/completions", {
+    const r = await api("v1/chat/completions", {
       method: "POST", headers: { "Content-Type": "application/json" },
       body: JSON.stringify(request(messages)), signal: running.signal,
     });

@@ -7,7 +7,7 @@ import { startChat } from "./chat.js";
 async function showModel() {
   for (;;) {
     try {
-      const r = await api("/v1/models");
+      const r = await api("v1/models");
       if (r.ok) {
         const m = (await r.json()).data[0];
         const el = document.getElementById("model");
