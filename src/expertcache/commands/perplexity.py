@@ -174,6 +174,10 @@ def _print_table(runs) -> None:
         print(f"{mode:<9} {res.ppl:>10.4f} {'-' if unc is None else f'{unc:.5f}':>9} {tps:>8.1f} "
               f"{t.get('hit_rate', 0.0):>8.3f} {t.get('copied_bytes', 0) / 1e6:>10.1f} "
               f"{cap:>8}")
+    # Each mode loads a fresh model in this one process: the first also pays the process's
+    # one-time set-up (thread pools, kernels), which its first chunks show.
+    print(f"tok/s: the chunks' wall time; {next(iter(runs))}'s includes this process's one-time set-up "
+          "(compare speeds with `expertcache bench`)")
 
 
 def register(sub) -> None:
