@@ -471,6 +471,7 @@ class ExpertCache:
             if job.error is None:
                 self.transfers.wait_prefetched(job.event)
                 continue
+            self._count_failure(job)  # now, not when the job is reaped at a later op
             job.live[i] = False  # made again here: `_reap` leaves it resident
             try:
                 with self._worker.demand() if queued else nullcontext():
@@ -514,13 +515,19 @@ class ExpertCache:
             if any((s, key) in self._op_reads for _, s, key in entries):
                 keep.append(job)  # reaped after the op, which takes those entries over
                 continue
-            self.telemetry_.copy_failures += 1
+            self._count_failure(job)
             for i, s, key in entries:
                 del self._pending[s]
                 if job.live[i]:
                     failed.append(key)
         self._jobs = keep
         self._drop_keys(failed)
+
+    def _count_failure(self, job: CopyJob) -> None:
+        """A failed prefetch job counts once in copy_failures, whoever sees the failure first."""
+        if not job.counted:
+            job.counted = True
+            self.telemetry_.copy_failures += 1
 
     def quiesce(self) -> None:
         """Let every prefetch copy finish and roll back the failed ones (before the pool or the

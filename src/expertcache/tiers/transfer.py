@@ -110,7 +110,7 @@ class CopyJob:
     `wave` is instead that wave's demand copies, made on the worker while the op computes the
     wave's other experts (`ranges`: the transfers they issued)."""
 
-    __slots__ = ("layer", "experts", "slots", "wave", "ranges", "live", "state", "error", "done", "event")
+    __slots__ = ("layer", "experts", "slots", "wave", "ranges", "live", "state", "error", "done", "event", "counted")
 
     def __init__(self, layer: int, experts: list[int], slots: list[int], wave=None):
         self.layer, self.experts, self.slots, self.wave = layer, experts, slots, wave
@@ -120,6 +120,7 @@ class CopyJob:
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.event = None  # on a GPU: recorded on the prefetch stream after the job's copies
+        self.counted = False  # its failure is in the telemetry's copy_failures
 
 
 COPY_THREAD = "expertcache-copy"  # the worker thread's name (fault injection keys on it)
