@@ -44,6 +44,13 @@ from .layout import ExpertFormat, Tiler, slot_nbytes
 
 FileVersion = tuple[int, int, int, int, int]
 LARGE_LOAD_BYTES = 256 << 20  # loads larger than this show a progress bar
+# A copy that converts (float matrices to another dtype, a GPU's slots, tiles formed after the
+# read) reads into a host bounce buffer of at most this many bytes (one expert at least) at a
+# time: a run of experts as long as a layer would otherwise take a buffer as large as the
+# layer's experts (288 MiB at Qwen3-30B-A3B's 9 MiB experts and 32 of them, 1.1 GiB at 128),
+# beyond the cache's budget.
+BOUNCE_BYTES = 64 << 20
+LOAD_RUN_BYTES = 64 << 20  # the RAM store's load: experts read per call
 
 
 def file_version(path: Path) -> FileVersion:
@@ -185,15 +192,29 @@ class RamStore(ExpertStore):
         self.rows: dict[int, torch.Tensor] = {}
         total = source.num_experts * len(source.layers)
         big = sum(f.nbytes for f in self.formats.values()) * source.num_experts >= LARGE_LOAD_BYTES
-        with tqdm(total=total, desc="loading experts", unit="expert", leave=False,
-                  disable=None if progress and big else True) as bar:  # None: a bar only on a terminal
-            for layer in source.layers:
-                rows = host_zeros((source.num_experts, self.slot_bytes), torch.uint8, pin=pin)
-                src_fmt, fmt = self.src_formats[layer], self.formats[layer]
-                for e in range(source.num_experts):
-                    convert(source.read(layer, e)[None], src_fmt, rows[e: e + 1], fmt, tiler=tiler)
-                    bar.update()
-                self.rows[layer] = rows
+        # Filled by the disk store's reads (`preadv` into the rows, O_DIRECT where aligned, the
+        # page cache dropped after the others): read through the checkpoint's memory map
+        # (`source.read`), every expert stayed mapped in the process for its lifetime and in the
+        # page cache after it, a second copy of the experts beside this one (1.3 GB of RSS more
+        # on a 1.2 GB model: docs/cache.md, "Memory").
+        reader = DiskStore(source, dtype, tiler)
+        try:
+            with tqdm(total=total, desc="loading experts", unit="expert", leave=False,
+                      disable=None if progress and big else True) as bar:  # None: a bar only on a terminal
+                for layer in source.layers:
+                    rows = host_zeros((source.num_experts, self.slot_bytes), torch.uint8, pin=pin)
+                    run = max(1, LOAD_RUN_BYTES // max(1, self.src_formats[layer].nbytes))
+                    e = 0
+                    while e < source.num_experts:
+                        n = min(run, source.num_experts - e)
+                        if n > 1 and not reader.contiguous_run(layer, e, n):
+                            n = 1
+                        reader.copy_run(layer, e, rows[e: e + n])
+                        bar.update(n)
+                        e += n
+                    self.rows[layer] = rows
+        finally:
+            reader.close()
 
     def copy_run(self, layer: int, first: int, dst: torch.Tensor, non_blocking: bool = False) -> None:
         src = self.rows[layer][first: first + dst.shape[0]]
@@ -213,8 +234,10 @@ class DiskStore(ExpertStore):
     waits_on_device = True
     direct = True  # O_DIRECT for the reads whose offset, length and buffers are aligned
 
-    def __init__(self, source: ExpertSource, dtype: torch.dtype, tiler: Tiler | None = None):
+    def __init__(self, source: ExpertSource, dtype: torch.dtype, tiler: Tiler | None = None,
+                 device: torch.device | str = "cpu"):
         super().__init__(source, dtype, tiler)
+        self.device = torch.device(device)  # where the slots are: elsewhere than the host, reads bounce
         self._fds = {p: os.open(p, os.O_RDONLY) for p in source.files}
         self._direct_fds = self._open_direct() if self.drop_cache and self.direct else {}
         self._pages: bool | None = None  # `reads_direct`'s layout check, made once
@@ -228,8 +251,17 @@ class DiskStore(ExpertStore):
         return self.source.run_parts(layer, first, n) is not None
 
     def ranges(self, layer: int, first: int, n: int) -> int:
-        parts = self.source.run_parts(layer, first, n)
-        return len(parts) if parts is not None else 1
+        # A run through the bounce buffer is read in parts of `_bounce_run` experts (`copy_run`).
+        per = self._bounce_run(layer) if self._bounces(layer) else n
+        reads = 0
+        for i in range(0, n, per):
+            parts = self.source.run_parts(layer, first + i, min(per, n - i))
+            reads += len(parts) if parts is not None else 1
+        return reads
+
+    def _bounces(self, layer: int) -> bool:
+        """Whether copies of `layer` go through the bounce buffer (not read into the slots)."""
+        return self.device.type != "cpu" or self.src_formats[layer] != self.formats[layer].as_rows
 
     @property
     def reads_direct(self) -> bool:
@@ -300,7 +332,30 @@ class DiskStore(ExpertStore):
         # they are, or then tiled in place); otherwise into a bounce buffer that is then converted
         # and copied.
         in_place = src_fmt == fmt.as_rows and dst.device.type == "cpu" and dst.is_contiguous()
-        host = dst if in_place else page_aligned_empty(n * size).view(n, size)
+        if not in_place:
+            # Through a bounce buffer of at most BOUNCE_BYTES, one part of the run at a time, each
+            # converted into its slots before the next is read (on a GPU a copy from pageable
+            # memory has left the buffer when it returns, so the buffer is reused at once).
+            per = self._bounce_run(layer)
+            bounce = page_aligned_empty(min(n, per) * size)
+            for i in range(0, n, per):
+                m = min(per, n - i)
+                host = bounce[: m * size].view(m, size)
+                self._read_run(layer, first + i, host, size)
+                convert(host, src_fmt, dst[i: i + m], fmt, non_blocking, self.tiler)
+            return
+        self._read_run(layer, first, dst, size)
+        if fmt != src_fmt:
+            tile_in_place(dst, fmt, self.tiler)
+
+    def _bounce_run(self, layer: int) -> int:
+        """Experts one read through the bounce buffer takes (at least one)."""
+        return max(1, BOUNCE_BYTES // max(1, self.src_formats[layer].nbytes))
+
+    def _read_run(self, layer: int, first: int, host: torch.Tensor, size: int) -> None:
+        """Read experts first..first+n-1 of `layer` as the file holds them into host [n, >= size]
+        (uint8, host memory), then check that no file read changed."""
+        n = host.shape[0]
         rows = [memoryview(host[i, :size].numpy()) for i in range(n)]
         parts = self.source.run_parts(layer, first, n)
         files = set()
@@ -320,10 +375,6 @@ class DiskStore(ExpertStore):
                 files.add(seg.file)
         for path in files:
             self._check(path)
-        if not in_place:
-            convert(host, src_fmt, dst, fmt, non_blocking, self.tiler)
-        elif fmt != src_fmt:
-            tile_in_place(dst, fmt, self.tiler)
 
     def close(self) -> None:
         for fd in (*self._fds.values(), *self._direct_fds.values()):
@@ -349,4 +400,4 @@ def make_store(name: str, source: ExpertSource, dtype: torch.dtype, device: torc
                tiler: Tiler | None = None) -> ExpertStore:
     if name == "ram":
         return RamStore(source, dtype, pin=device.type == "cuda", tiler=tiler)
-    return STORE_CLASSES[name](source, dtype, tiler)
+    return STORE_CLASSES[name](source, dtype, tiler, device)
