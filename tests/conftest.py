@@ -149,3 +149,18 @@ class CountingModule:
             self.calls[name] += 1
             return fn(*args)
         return call
+
+
+def slots_hold_what_they_claim(cache) -> int:
+    """Every resident key's slot holds that expert's bytes as the slow tier gives them and is
+    described as holding it (after the copies in flight are done); returns the keys checked."""
+    cache.quiesce()
+    n = 0
+    for key in cache.residency.resident_keys():
+        slot = cache.residency.slot_of(key)
+        want = torch.zeros_like(cache.pool[slot: slot + 1])
+        cache.store.copy_run(key.layer, key.expert, want)
+        assert torch.equal(cache.pool[slot], want[0]), (key, slot)
+        assert cache.content[slot] is not None and cache.content[slot].key == key, (key, slot)
+        n += 1
+    return n

@@ -23,7 +23,7 @@ from expertcache.errors import CopyError
 from expertcache.tiers import cache as cache_module
 from expertcache.tiers.policy import ExpertKey
 from expertcache.tiers.transfer import COPY_THREAD, CopyWorker
-from conftest import VOCAB
+from conftest import VOCAB, slots_hold_what_they_claim
 
 IDS = torch.randint(4, VOCAB, (24,), generator=torch.Generator().manual_seed(5))
 INPUTS = [IDS[:10], IDS[10:11], IDS[3:20]]
@@ -40,25 +40,14 @@ def _load(**cache):
     return expertcache.load(cache=CacheConfig(mode="cache", prefetch="on", **cache))
 
 
-def _slots_hold_what_they_claim(cache) -> None:
-    """Every resident key's slot holds that expert's bytes and is described as holding it."""
-    cache.quiesce()
-    for key in cache.residency.resident_keys():
-        slot = cache.residency.slot_of(key)
-        want = torch.zeros_like(cache.pool[slot: slot + 1])
-        cache.store.copy_run(key.layer, key.expert, want)
-        assert torch.equal(cache.pool[slot], want[0]), (key, slot)
-        assert cache.content[slot] is not None and cache.content[slot].key == key, (key, slot)
-
-
 def _recovers(model, reference) -> None:
-    _slots_hold_what_they_claim(model.experts)
+    slots_hold_what_they_claim(model.experts)
     for x, want in zip(INPUTS, reference):
         assert torch.equal(model.logits(x), want)
     total = model.telemetry()["total"]
     assert total["resident_hits"] + total["resident_misses"] == total["used_experts_unique"]
     assert total["prefetch_used"] + total["prefetch_wasted"] <= total["prefetch_issued"]
-    _slots_hold_what_they_claim(model.experts)
+    slots_hold_what_they_claim(model.experts)
 
 
 class _FailingCopies:

@@ -20,7 +20,7 @@ from expertcache.models.pack import pack
 from expertcache.telemetry import OP_COUNTERS
 from expertcache.tiers.policy import ExpertKey
 from expertcache.tiers.transfer import COPY_THREAD
-from conftest import VOCAB
+from conftest import VOCAB, slots_hold_what_they_claim
 
 IDS = torch.randint(4, VOCAB, (24,), generator=torch.Generator().manual_seed(5))
 PROMPT = IDS[:10].tolist()
@@ -71,19 +71,6 @@ def _fail_reads_on_the_worker(store) -> list[int]:
 
     store.read_hook = fail
     return failed
-
-
-def _slots_hold_what_they_claim(cache) -> int:
-    """Every resident key's slot holds that expert's bytes as the slow tier gives them."""
-    cache.quiesce()
-    n = 0
-    for key in cache.residency.resident_keys():
-        slot = cache.residency.slot_of(key)
-        want = torch.zeros_like(cache.pool[slot: slot + 1])
-        cache.store.copy_run(key.layer, key.expert, want)
-        assert torch.equal(cache.pool[slot], want[0]), (key, slot)
-        n += 1
-    return n
 
 
 # ---- counters: the runtime is the simulator's replay ----------------------------------------
@@ -156,7 +143,7 @@ def test_logits_bitwise_equal_with_prefetch(models, reference, name, store):
         _check(model, reference[name])
         if size != 1.0 and size != 1:
             assert model.telemetry()["total"]["prefetch_issued"] > 0, (store, policy, size)
-        _slots_hold_what_they_claim(model.experts)
+        slots_hold_what_they_claim(model.experts)
 
 
 def test_slowed_worker_changes_nothing(models, reference):
@@ -170,7 +157,7 @@ def test_slowed_worker_changes_nothing(models, reference):
     _check(model, reference["qwen2"])
     t = model.telemetry()
     assert t["total"]["prefetch_used"] > 0 and t["copy_failures"] == 0 and t["stall_seconds"] > 0
-    _slots_hold_what_they_claim(model.experts)
+    slots_hold_what_they_claim(model.experts)
 
 
 @pytest.mark.parametrize("name", ["bundled", "qwen2"])
@@ -179,10 +166,10 @@ def test_failing_worker_rolls_back_and_demand_recovers(models, reference, name):
     failed = _fail_reads_on_the_worker(model.experts.store)
     _check(model, reference[name])
     assert failed and model.telemetry()["copy_failures"] > 0
-    assert _slots_hold_what_they_claim(model.experts) > 0
+    assert slots_hold_what_they_claim(model.experts) > 0
     # Every failure after the first few: still the same bits.
     _check(model, reference[name])
-    _slots_hold_what_they_claim(model.experts)
+    slots_hold_what_they_claim(model.experts)
 
 
 def test_failed_prefetch_leaves_its_slots_empty(models):
@@ -223,7 +210,7 @@ def test_disk_store_reads_a_waves_misses_on_the_worker(models, reference, name):
     total = model.telemetry()["total"]
     sim = simulate(t.ops(), 12, "lrfu", t.header.expert_bytes)
     assert (total["demand_misses"], total["copied_bytes"], total["prefetch_issued"]) == (sim.misses, sim.bytes_moved, 0)
-    _slots_hold_what_they_claim(model.experts)
+    slots_hold_what_they_claim(model.experts)
 
 
 def test_ram_store_splits_waves_where_a_core_is_free(models, reference, monkeypatch):
@@ -239,7 +226,7 @@ def test_ram_store_splits_waves_where_a_core_is_free(models, reference, monkeypa
     monkeypatch.setattr(cache_module, "_core_to_spare", lambda: True)
     _check(model, reference["bundled"])
     assert split
-    _slots_hold_what_they_claim(model.experts)
+    slots_hold_what_they_claim(model.experts)
 
 
 def test_a_demand_copy_failing_on_the_worker_is_made_again(models, reference):
@@ -247,7 +234,7 @@ def test_a_demand_copy_failing_on_the_worker_is_made_again(models, reference):
     failed = _fail_reads_on_the_worker(model.experts.store)
     _check(model, reference["qwen2"])
     assert failed and model.telemetry()["copy_failures"] == len(failed)
-    _slots_hold_what_they_claim(model.experts)
+    slots_hold_what_they_claim(model.experts)
 
 
 def test_a_wave_left_early_leaves_its_misses_unplanned(models):
@@ -277,7 +264,7 @@ def test_a_wave_left_early_leaves_its_misses_unplanned(models):
     assert not any(cache.residency.is_resident(ExpertKey(layer, e)) for e in misses)
     assert all(cache.residency.is_resident(ExpertKey(layer, e)) for e in hits)
     cache.store.read_hook = None
-    _slots_hold_what_they_claim(cache)
+    slots_hold_what_they_claim(cache)
 
 
 def test_a_prefetch_failing_while_its_op_is_planned_keeps_its_slot_for_that_op(models):
@@ -321,7 +308,7 @@ def test_a_prefetch_failing_while_its_op_is_planned_keeps_its_slot_for_that_op(m
         assert torch.equal(cache.pool[slot], want[0]), (e, slot)
     ops.close()
     cache.predict = None
-    _slots_hold_what_they_claim(cache)
+    slots_hold_what_they_claim(cache)
 
 
 def _hold_worker_until_an_op_waits(cache) -> threading.Event:
@@ -378,7 +365,7 @@ def test_a_prefetch_not_started_is_taken_over(models, reference, monkeypatch):
                     worker._demand -= 1
                     worker._cond.notify_all()
         counters.append({k: model.telemetry()["total"][k] for k in OP_COUNTERS})
-        _slots_hold_what_they_claim(model.experts)
+        slots_hold_what_they_claim(model.experts)
     assert counters[0] == counters[1] and counters[1]["prefetch_used"] > 0
 
 
@@ -415,7 +402,7 @@ def test_a_prefetch_not_started_goes_first_on_the_worker(models):
     del cache._run_job
     assert ran == [(nxt, (later[0],), WORKER), (layer, (now[0],), WORKER), (nxt, (later[1],), WORKER)], ran
     assert cache.telemetry()["copy_failures"] == 0
-    _slots_hold_what_they_claim(cache)
+    slots_hold_what_they_claim(cache)
 
 
 @pytest.mark.parametrize("store", ["ram", "disk"])
@@ -457,7 +444,7 @@ def test_a_waved_op_takes_over_its_prefetched_hits_before_later_waves_reuse_thei
             with worker._cond:
                 worker._demand -= 1
                 worker._cond.notify_all()
-    _slots_hold_what_they_claim(model.experts)
+    slots_hold_what_they_claim(model.experts)
 
 
 # ---- configuration, flags, reporting ---------------------------------------------------------
@@ -643,5 +630,5 @@ def test_a_failing_predictor_leaves_the_op_unplanned(models, reference):
     with pytest.raises(RuntimeError, match="predictor failed"):
         model.logits(IDS)
     model.experts.predict = predict
-    _slots_hold_what_they_claim(model.experts)
+    slots_hold_what_they_claim(model.experts)
     _check(model, reference["qwen2"])

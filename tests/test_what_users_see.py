@@ -85,7 +85,6 @@ def test_trace_stats_columns_line_up_under_their_headers(tmp_path, capsys):
 def test_simulate_plot_tells_tied_policies_apart(tmp_path):
     """Policies that tie draw the same line; each has its own marker and line style (they were all
     solid circles, so one drawn last hid the others), and the axes say what they measure."""
-    pytest.importorskip("matplotlib")
     from expertcache.bench.simulate import compare
     from expertcache.bench.trace import load_trace
     from expertcache.commands.trace import _figure
