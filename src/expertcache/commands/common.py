@@ -11,8 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import ExpertCacheError
-from ..flags import add_kernels_flag, add_prefill_flags, cache_config, positive_int, prefill_options
-from .args import threads
+from ..flags import add_kernels_flag, add_prefill_flags, cache_config, nonneg_int, positive_int, prefill_options
+from ..sampling import SamplingParams
+from .args import finite_float, seed, threads
 
 
 def add_model_flags(p: argparse.ArgumentParser, ctx: bool = True) -> None:
@@ -69,3 +70,27 @@ def writing(output: str) -> Iterator[None]:
                        for q in (p, *p.parents)):
                 raise  # not the output: the source, say; cli.main names that file
         raise ExpertCacheError(f"cannot write {output!r}: {e.strerror or e}") from None
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, min_p: bool = True) -> None:
+    """How the generated tokens are drawn: --temp, --top-k, --top-p (--min-p), --seed, --ignore-eos."""
+    p.add_argument("--temp", type=finite_float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-k", type=nonneg_int, default=0, help="sample from the K likeliest tokens; 0 = all (default)")
+    p.add_argument("--top-p", type=finite_float, default=1.0,
+                   help="sample from the likeliest tokens whose probabilities sum to P (default: 1.0, all)")
+    if min_p:
+        p.add_argument("--min-p", type=finite_float, default=0.0,
+                       help="drop tokens below P x the likeliest token's probability (default: 0, none)")
+    p.add_argument("--seed", type=seed, help="sampling seed, 64 bits (default: a random one)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
+
+
+def sampling_options(args) -> dict:
+    """generate()'s sampling keywords from `add_sampling_flags`' flags, checked here, so that a bad
+    value fails before a model loads."""
+    opts = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                ignore_eos=args.ignore_eos)
+    if hasattr(args, "min_p"):
+        opts["min_p"] = args.min_p
+    SamplingParams(args.temp, args.top_k, args.top_p, opts.get("min_p", 0.0), args.seed)
+    return opts

@@ -8,11 +8,9 @@ import sys
 from pathlib import Path
 
 from ..errors import ExpertCacheError
-from ..sampling import SamplingParams
-from .args import finite_float, seed
 from ..flags import add_cache_flags, nonneg_int
 from ..telemetry import peak_rss_bytes
-from .common import add_model_flags, load_model, read_text_file
+from .common import add_model_flags, add_sampling_flags, load_model, read_text_file, sampling_options
 
 
 def cmd_run(args) -> int:
@@ -21,13 +19,12 @@ def cmd_run(args) -> int:
     if args.system is not None and not args.chat:  # it would be dropped without a word
         raise ExpertCacheError("--system applies only to --chat (with -p or -f, put it in the prompt)")
     prompt = read_text_file(args.file) if args.file else args.prompt
-    SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)  # bad values fail before loading
+    sampling = sampling_options(args)
     _check_tokenizer_file(args.model)
     model = load_model(args)
     if model.tokenizer is None:
         raise ExpertCacheError(f"{model.path}: `run` needs a tokenizer, and tokenizer.json is missing")
-    gen = dict(max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-               min_p=args.min_p, seed=args.seed, stop=args.stop, ubatch=args.ubatch, ignore_eos=args.ignore_eos)
+    gen = dict(max_tokens=args.n_predict, **sampling, stop=args.stop, ubatch=args.ubatch)
     if args.chat:
         return _chat_loop(model, gen, args)
 
@@ -229,15 +226,8 @@ def register(sub) -> None:
     r.add_argument("--chat", action="store_true", help="chat: one user message per line on stdin")
     r.add_argument("--system", help="system message for --chat")
     r.add_argument("-n", "--n-predict", type=nonneg_int, default=128, help="tokens to generate (default: 128)")
-    r.add_argument("--temp", type=finite_float, default=0.0, help="temperature; 0 = greedy (default)")
-    r.add_argument("--top-k", type=nonneg_int, default=0, help="sample from the K likeliest tokens; 0 = all (default)")
-    r.add_argument("--top-p", type=finite_float, default=1.0,
-                   help="sample from the likeliest tokens whose probabilities sum to P (default: 1.0, all)")
-    r.add_argument("--min-p", type=finite_float, default=0.0,
-                   help="drop tokens below P x the likeliest token's probability (default: 0, none)")
-    r.add_argument("--seed", type=seed, help="sampling seed, 64 bits (default: a random one)")
+    add_sampling_flags(r)
     r.add_argument("--stop", action="append", help="stop string (repeatable)")
-    r.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     r.set_defaults(func=cmd_run)
 

@@ -14,7 +14,7 @@ from ..errors import ExpertCacheError
 from ..flags import add_cache_flags, add_prefetch_width_flag, nonneg_int, positive_int
 from .args import finite_float, seed
 from ..checkpoint.writer import atomic_file, check_output_file
-from .common import add_model_flags, load_model, read_text_file, writing
+from .common import add_model_flags, add_sampling_flags, load_model, read_text_file, sampling_options, writing
 
 DEFAULT_CAPACITIES = "10%,25%,50%,75%"
 
@@ -24,18 +24,16 @@ DEFAULT_CAPACITIES = "10%,25%,50%,75%"
 
 def cmd_record(args) -> int:
     from ..bench.trace import TraceRecorder, parse_prompts, run_prompts, save_trace
-    from ..sampling import SamplingParams
 
     # Before the run, not after it; an earlier trace at the path is replaced without --force.
     out = check_output_file(args.output, True, "a trace", _is_trace)
     items = parse_prompts(read_text_file(args.prompts), args.prompts) if args.prompts else None
     text = read_text_file(args.file) if args.file else None
-    SamplingParams(args.temp, args.top_k, args.top_p, 0.0, args.seed)  # bad values fail before loading
+    sampling = sampling_options(args)
     model = load_model(args)  # the cache flags only matter for memory: routing does not depend on them
     if model.tokenizer is None:
         raise ExpertCacheError(f"{model.path}: no tokenizer.json, cannot encode the prompt")
-    gen = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-               ubatch=args.ubatch, ignore_eos=args.ignore_eos)
+    gen = dict(**sampling, ubatch=args.ubatch)
     meta = {"source": args.file or args.prompts, "kind": "file" if args.file else "prompts",
             "max_tokens": args.n_predict, "max_prompt_tokens": args.max_prompt_tokens, **gen,
             "dtype": str(model.net.dtype).removeprefix("torch."), "device": str(model.net.device)}
@@ -407,12 +405,7 @@ def register(sub) -> None:
     r.add_argument("-n", "--n-predict", type=nonneg_int, default=128, help="tokens to generate per prompt "
                                                                             "(default: 128)")
     r.add_argument("--max-prompt-tokens", type=positive_int, help="-f: keep only the file's first N tokens")
-    r.add_argument("--temp", type=finite_float, default=0.0, help="temperature; 0 = greedy (default)")
-    r.add_argument("--top-k", type=nonneg_int, default=0, help="sample from the K likeliest tokens; 0 = all (default)")
-    r.add_argument("--top-p", type=finite_float, default=1.0,
-                   help="sample from the likeliest tokens whose probabilities sum to P (default: 1.0, all)")
-    r.add_argument("--seed", type=seed, help="sampling seed, 64 bits (default: a random one)")
-    r.add_argument("--ignore-eos", action="store_true", help="keep decoding past the end-of-text token")
+    add_sampling_flags(r, min_p=False)
     r.add_argument("--no-predictions", action="store_true",
                    help="do not record what the predictor predicted for each op (recorded by default)")
     r.add_argument("-o", "--output", required=True, help="trace file to write (.npz)")

@@ -121,6 +121,7 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
 
     def _options(body: dict, chat: bool) -> tuple[dict, bool, bool]:
         """Every field but the prompt, checked before the prompt is rendered and tokenized."""
+        P.check_fields(body, chat)
         gen = P.sampling(body, ctx, chat)
         gen["ubatch"] = ubatch
         stream = P.get_bool(body, "stream", False)

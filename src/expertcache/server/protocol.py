@@ -251,6 +251,7 @@ COMPLETION_FIELDS = _FIELDS | {"prompt"}
 
 
 def check_fields(body: dict, chat: bool) -> None:
+    """Refuse a field the route does not read (`CHAT_FIELDS`, `COMPLETION_FIELDS`)."""
     known = CHAT_FIELDS if chat else COMPLETION_FIELDS
     for name in body:
         if name not in known:
@@ -301,8 +302,7 @@ def sampling(body: dict, ctx: int, chat: bool) -> dict:
     request leaves it out (`limit_tokens` settles it once the prompt is known); it may not exceed
     the context, and a completion that would run past it is cut there (finish_reason "length"),
     as llama-server does. A field this server does not honour is refused, never ignored: only its
-    neutral value passes."""
-    check_fields(body, chat)
+    neutral value passes (`check_fields` refuses the fields it does not know)."""
     _reject(body, "n", (1,))
     # Chat's `logprobs` is a boolean; the legacy route's is a count, and 0 still asks for the
     # chosen tokens' log probabilities, so only null passes there.
