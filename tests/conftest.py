@@ -164,3 +164,35 @@ def slots_hold_what_they_claim(cache) -> int:
         assert cache.content[slot] is not None and cache.content[slot].key == key, (key, slot)
         n += 1
     return n
+
+
+def attention_calls(monkeypatch) -> list[tuple[int, int, int]]:
+    """Records (query heads, key heads, query tokens) of every scaled_dot_product_attention call
+    from here on. Grouped-query attention hands the kernel each group's keys once (`enable_gqa`),
+    never repeated per query head: that copy cost 2 x heads x context x head size per call."""
+    import torch.nn.functional as F
+
+    calls = []
+    orig = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((q.shape[-3], k.shape[-3], q.shape[-2]))
+        return orig(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def assert_prompt_keys_not_repeated(model, ids: torch.Tensor, monkeypatch) -> None:
+    """A prompt in two parts (a fresh one, then one after cached tokens), in micro-batches: every
+    attention over several query tokens gets fewer key heads than query heads, and the logits
+    are those of the whole prompt at once."""
+    want = model.logits(ids)
+    calls = attention_calls(monkeypatch)
+    session = model.new_session()
+    cut = len(ids) // 2
+    got = torch.cat([model.prefill(session, ids[:cut].tolist(), ubatch=7, all_logits=True),
+                     model.prefill(session, ids[cut:].tolist(), ubatch=5, all_logits=True)])
+    prompt_calls = [c for c in calls if c[2] > 1]
+    assert prompt_calls and all(k < q for q, k, _ in prompt_calls), prompt_calls
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

@@ -13,7 +13,7 @@ import torch
 import transformers as tf
 
 import expertcache
-from conftest import VOCAB, assert_one_line_error, run_cli, save_checkpoint
+from conftest import VOCAB, assert_one_line_error, assert_prompt_keys_not_repeated, run_cli, save_checkpoint
 from expertcache.config import CacheConfig
 from expertcache.errors import ExpertCacheError
 from test_parity import check_greedy_against_reference, ids_of
@@ -407,3 +407,11 @@ def test_synth_gguf_has_the_presets_shapes_and_runs(tmp_path, quant, types):
     assert [tuple(getattr(t, "name", str(t).removeprefix("torch.").upper()) for t in f) for f in fmts] == types
     out = model.generate([5, 6, 7], max_tokens=2, ignore_eos=True)
     assert len(out.token_ids) == 2
+
+
+def test_prompt_attention_reads_each_groups_keys_once(gemma4, monkeypatch):
+    """Grouped-query attention over a prompt (fresh, and after cached tokens) gets each group's
+    keys and values once, never a copy per query head (docs/prefill.md)."""
+    _, d = gemma4()
+    ids = torch.randint(2, VOCAB, (40,), generator=torch.Generator().manual_seed(3))
+    assert_prompt_keys_not_repeated(expertcache.load(d), ids, monkeypatch)

@@ -13,7 +13,7 @@ import transformers as tf
 from safetensors.torch import load_file, save_file
 
 import expertcache
-from conftest import VOCAB, assert_one_line_error, run_cli, save_checkpoint
+from conftest import VOCAB, assert_one_line_error, assert_prompt_keys_not_repeated, run_cli, save_checkpoint
 from expertcache.config import CacheConfig
 from expertcache.errors import ExpertCacheError
 from expertcache.models.state import SequenceState
@@ -364,3 +364,11 @@ def test_bf16_error_is_of_the_size_of_transformers_own(qwen35):
                      + [model.prefill(s, [t], all_logits=True) for t in ids[90:].tolist()]).float()
     ours_err, ref_err = (ours - exact).abs().mean(), (theirs - exact).abs().mean()
     assert ours_err <= 1.5 * ref_err + 1e-3, (ours_err, ref_err)
+
+
+def test_prompt_attention_reads_each_groups_keys_once(qwen35, monkeypatch):
+    """Grouped-query attention over a prompt (fresh, and after cached tokens) gets each group's
+    keys and values once, never a copy per query head (docs/prefill.md)."""
+    _, d = qwen35()
+    ids = torch.randint(2, VOCAB, (40,), generator=torch.Generator().manual_seed(3))
+    assert_prompt_keys_not_repeated(expertcache.load(d), ids, monkeypatch)

@@ -108,16 +108,14 @@ def gated_attention(kern: Kernels, cfg: GatedAttentionConfig, w: GatedAttentionW
                                              scale=Dh ** -0.5)         # [1, G, rep, Dh]
         out = out.reshape(1, H * Dh)
     else:
-        if rep > 1:
-            keys = keys.repeat_interleave(rep, dim=0)                 # [H, P+T, Dh]
-            values = values.repeat_interleave(rep, dim=0)             # [H, P+T, Dh]
+        # enable_gqa maps each query head to its group's keys and values without copying them.
         if P == 0:
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True,
-                                                 scale=Dh ** -0.5)[0]  # [H, T, Dh]
+                                                 scale=Dh ** -0.5, enable_gqa=rep > 1)[0]  # [H, T, Dh]
         else:
             allowed = (torch.arange(P + T, device=x.device)[None, :]
                        <= torch.arange(P, P + T, device=x.device)[:, None])  # [T, P+T]
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed,
-                                                 scale=Dh ** -0.5)[0]  # [H, T, Dh]
+                                                 scale=Dh ** -0.5, enable_gqa=rep > 1)[0]  # [H, T, Dh]
         out = out.transpose(0, 1).reshape(T, H * Dh)                  # [T, H*Dh]
     return linear(out * torch.sigmoid(gate), w.o, w.o_bias)           # [T, D]

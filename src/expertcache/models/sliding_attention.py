@@ -166,15 +166,13 @@ def sliding_attention(kern: Kernels, mixer: SlidingAttention, w: SlidingAttentio
         out = F.scaled_dot_product_attention(q.reshape(1, G, R, Dh), keys[None], values[None],
                                              attn_mask=mask, scale=1.0)    # [1, G, R, Dh]
         return norm(kern.linear(out.reshape(1, H * Dh), w.o), w.post_norm)  # [1, D]
-    if R > 1:
-        keys = keys.repeat_interleave(R, dim=0)                               # [H, N, Dh]
-        values = values.repeat_interleave(R, dim=0)                           # [H, N, Dh]
     qpos = torch.arange(P, P + T, device=x.device)[:, None]                   # [T, 1]
     kpos = kpos[None, :]                                                      # [1, N]
     allowed = (kpos <= qpos) & (kpos >= 0)                                    # [T, N]
     if cfg.window is not None:
         allowed &= kpos > qpos - cfg.window
+    # enable_gqa maps each query head to its group's keys and values without copying them.
     out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed,
-                                         scale=1.0)[0]                        # [H, T, Dh]
+                                         scale=1.0, enable_gqa=R > 1)[0]      # [H, T, Dh]
     out = kern.linear(out.transpose(0, 1).reshape(T, H * Dh), w.o)           # [T, D]
     return norm(out, w.post_norm)
