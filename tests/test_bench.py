@@ -89,9 +89,10 @@ def test_bench_cache_auto_prefetches_as_the_runtime_would_with_the_traces_predic
     assert (got["decode"]["prefetch_issued"] > 0) is fitted
 
 
-def test_bench_cache_prints_table_and_json(synth_model, capsys):
+def test_bench_cache_prints_table_and_json(synth_model, capsys, tmp_path):
+    plot = tmp_path / "cache.png"
     assert main(["bench", "cache", "-m", str(synth_model), "--stores", "ram", "--fractions", "0.5",
-                 "--prefill", "16", "--decode", "4", "-t", "1"]) == 0
+                 "--prefill", "16", "--decode", "4", "-t", "1", "--plot", str(plot)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     out = json.loads(lines[-1])
     modes = [r["mode"] for r in out["results"]]
@@ -101,6 +102,52 @@ def test_bench_cache_prints_table_and_json(synth_model, capsys):
     assert out["results"][0]["decode"]["copied_bytes_per_token"] == 0
     assert out["device"] == "cpu" and {r["device"] for r in out["results"]} == {"cpu"}
     assert out["prefetch_bounds"] == []  # no prefetch on/off pair was measured
+    assert lines[-2] == f"wrote {plot}" and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name, needle", [("cache.jpg", "expected a .png"), ("no/such/dir/c.png", "does not exist")])
+def test_bench_cache_refuses_a_bad_plot_path_before_measuring(synth_model, capsys, tmp_path, name, needle, monkeypatch):
+    from expertcache.bench import cache_bench
+
+    monkeypatch.setattr(cache_bench.subprocess, "run", lambda *a, **k: pytest.fail("measured before checking --plot"))
+    assert_one_line_error(*run_cli(capsys, "bench", "cache", "-m", str(synth_model), "--plot", str(tmp_path / name)),
+                          "--plot", needle)
+
+
+def test_bench_cache_plot_draws_what_the_table_says():
+    """`bench cache --plot`: each panel's points are the rows' values (decode tok/s, hit rate,
+    prefill tok/s) at their capacities; the resident speed a level, staging's a point at 0%; two
+    stores with equal hit rates both visible (their own markers and sizes)."""
+    import matplotlib.pyplot as plt
+    from expertcache.bench.cache_bench import figure
+
+    def row(mode, store, fraction=None, prefetch=False, dec=0.0, hit=0.0, pre=0.0):
+        return {"mode": mode, "store": store, "fraction": fraction, "prefetch": prefetch,
+                "decode": {"tok_s": dec, "hit_rate": hit}, "prefill": {"tok_s": pre}}
+
+    rows = []
+    for store, k in (("ram", 1.0), ("disk", 0.5)):
+        rows += [row("resident", store, dec=40 * k, hit=1.0, pre=400 * k), row("staging", store, dec=5 * k, pre=50 * k),
+                 row("cache", store, 0.5, False, 20 * k, 0.7, 200 * k), row("cache", store, 0.25, False, 10 * k, 0.5, 100 * k),
+                 row("cache", store, 0.25, True, 15 * k, 0.6, 120 * k)]
+    fig = figure(rows, "/x/model", 2)
+    try:
+        decode, hits, prefill = fig.axes
+        def curves(ax):
+            return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+        d, h, p = curves(decode), curves(hits), curves(prefill)
+        assert d["ram: cache, prefetch off"] == ([25, 50], [10, 20]) and d["disk: cache, prefetch on"] == ([25], [7.5])
+        assert d["ram: staging"] == ([0], [5]) and d["disk: resident"][1] == [20, 20]
+        assert h["ram: cache, prefetch off"] == h["disk: cache, prefetch off"] == ([25, 50], [0.5, 0.7])
+        assert not any("resident" in k or "staging" in k for k in h)  # no hit rate to draw for them
+        assert p["disk: cache, prefetch off"] == ([25, 50], [50, 100]) and p["ram: resident"][1] == [400, 400]
+        ram, disk = (next(line for line in hits.get_lines() if line.get_label() == f"{s}: cache, prefetch off")
+                     for s in ("ram", "disk"))
+        assert (ram.get_marker(), ram.get_markersize()) != (disk.get_marker(), disk.get_markersize())
+        assert "tokens / s" in decode.get_ylabel() and "hit rate" in hits.get_ylabel() and "%" in hits.get_xlabel()
+        assert "model" in fig._suptitle.get_text() and "2 threads" in fig._suptitle.get_text()
+    finally:
+        plt.close(fig)
 
 
 def test_overlap_bound_by_hand():

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -306,14 +307,62 @@ def bounds_text(bounds: list[dict]) -> str:
         f"without prefetch, of a ceiling of {b['ceiling']:.2f}x" for b in bounds)
 
 
+def figure(rows: list[dict], title: str, threads: int):
+    """The figure of `bench cache --plot`: decode tok/s, decode hit rate and prefill tok/s against
+    the cache's capacity; a line per store and prefetch setting, the resident mode's speed on the
+    same store as a dotted level and staging's as a cross at 0% (it holds the op in flight only)."""
+    from ..plots import pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.4), dpi=100)
+    panels = [(lambda r: r["decode"]["tok_s"], "decode tokens / s"),
+              (lambda r: r["decode"]["hit_rate"], "decode hit rate (share of expert uses resident)"),
+              (lambda r: r["prefill"]["tok_s"], "prefill tokens / s")]
+    stores = list(dict.fromkeys(r["store"] for r in rows))
+    for ax, (value, label) in zip(axes, panels):
+        for i, store in enumerate(stores):
+            # Stores often tie (hit rates do not depend on the store): each its own marker, drawn
+            # smaller in turn, so that a line over another still shows both.
+            color, marker, size = f"C{i}", "osD"[i % 3], 9 - 2 * (i % 3)
+            lines: dict[str, list[dict]] = {}
+            for r in rows:
+                if r["store"] != store:
+                    continue
+                if r["mode"] == "cache":
+                    lines.setdefault("prefetch on" if r.get("prefetch") else "prefetch off", []).append(r)
+                elif r["mode"] == "resident" and "hit rate" not in label:
+                    ax.axhline(value(r), color=color, linestyle=":", linewidth=1.5, label=f"{store}: resident")
+                elif r["mode"] == "staging" and "hit rate" not in label:
+                    ax.plot([0], [value(r)], marker="x", markersize=9, color=color, linestyle="none",
+                            label=f"{store}: staging")
+            for name, rs in lines.items():
+                rs = sorted(rs, key=lambda r: r["fraction"])
+                ax.plot([100 * r["fraction"] for r in rs], [value(r) for r in rs], color=color, marker=marker,
+                        markersize=size, fillstyle="none" if name == "prefetch on" else "full",
+                        linestyle="--" if name == "prefetch on" else "-", label=f"{store}: cache, {name}")
+        ax.set_xlabel("cache capacity (% of all experts)")
+        ax.set_ylabel(label)
+        ax.set_xlim(-3, 103)
+        ax.set_ylim(0, 1.02 if "hit rate" in label else None)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="best")
+    fig.suptitle(f"{Path(title).name}: expert cache by capacity and slow tier "
+                 f"({threads} threads)", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
 def cmd_bench_cache(args) -> int:
     from ..models.loader import open_model
     from ..errors import ExpertCacheError
+    from ..plots import check_png_path, save_png
 
     from ..engine import _device
 
     open_model(args.model)  # bad paths and devices fail here, with one line
     _device(args.device)
+    if args.plot:  # before minutes of measuring, not after
+        check_png_path(args.plot)
     for s in args.stores.split(","):
         if s not in ("ram", "mmap", "disk"):
             raise ExpertCacheError(f"unknown store {s!r} in --stores: expected ram, mmap, disk")
@@ -344,6 +393,9 @@ def cmd_bench_cache(args) -> int:
     bounds = overlap_bounds(rows)
     if bounds:
         print(bounds_text(bounds))
+    if args.plot:
+        save_png(figure(rows, args.model, args.threads), args.plot)
+        print(f"wrote {args.plot}")
     print(json.dumps({"bench": "cache", "model": str(args.model), "device": args.device, "threads": args.threads,
                       "kernels": args.kernels,
                       "prefill_tokens": args.prefill, "decode_tokens": args.decode, "results": rows,
@@ -397,6 +449,8 @@ def add_parser(suites) -> None:
     p.add_argument("--prefetch", choices=("auto", "on", "off", "both"), default="auto",
                    help="prefetch in cache mode: auto (default), on, off, or both (each capacity off, then on)")
     add_prefetch_width_flag(p)
+    p.add_argument("--plot", metavar="FILE.png", help="also draw decode and prefill tok/s and the hit rate "
+                                                      "against capacity, per store (needs matplotlib)")
     p.set_defaults(func=cmd_bench_cache)
 
 

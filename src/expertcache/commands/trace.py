@@ -6,7 +6,6 @@ and fit a predictor better than the routers."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from ..errors import ExpertCacheError
 from ..flags import add_cache_flags, add_prefetch_width_flag, nonneg_int, positive_int
 from .args import finite_float, seed
 from ..checkpoint.writer import atomic_file, check_output_file
+from ..plots import check_png_path, pyplot, save_png
 from .common import add_model_flags, add_sampling_flags, load_model, read_text_file, sampling_options, writing
 
 DEFAULT_CAPACITIES = "10%,25%,50%,75%"
@@ -102,7 +102,7 @@ def cmd_simulate(args) -> int:
         # Without --prefetch nothing replays prefetch: the setting would be ignored without a word.
         raise ExpertCacheError("--prefetch-width and --prefetch-min-prob set the prefetch replay: add --prefetch")
     if args.plot:
-        _check_plot_path(args.plot)
+        check_png_path(args.plot)
     ops = trace.ops()
     predictions = None
     if args.prefetch:
@@ -169,29 +169,8 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def _check_plot_path(path: str) -> None:
-    if not path.lower().endswith(".png"):
-        raise ExpertCacheError(f"--plot {path!r}: expected a .png file name")
-    parent = Path(path).parent
-    if not parent.is_dir():
-        raise ExpertCacheError(f"--plot {path!r}: directory {str(parent)!r} does not exist")
-    if Path(path).is_dir():
-        raise ExpertCacheError(f"--plot {path!r} is a directory: expected a .png file name")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ExpertCacheError(f"--plot {path!r}: directory {str(parent)!r} is not writable")
-
-
 def _plot(path: str, title: str, rows, total_experts: int) -> None:
-    fig = _figure(title, rows, total_experts)
-    import matplotlib.pyplot as plt
-
-    try:
-        with atomic_file(Path(path)) as tmp:  # no half-written PNG is left at `path`
-            fig.savefig(tmp, format="png")
-    except OSError as e:
-        raise ExpertCacheError(f"cannot write {path!r}: {e.strerror}") from None
-    finally:
-        plt.close(fig)
+    save_png(_figure(title, rows, total_experts), path)
 
 
 # Policies often tie (at large capacities all of them miss only first uses): each gets its own
@@ -202,13 +181,9 @@ _STYLES = [("s", "-"), ("^", "--"), ("D", "-."), ("v", ":"), ("P", "-"), ("X", "
 
 def _figure(title: str, rows, total_experts: int):
     """The figure of `trace simulate --plot`: hit rate against capacity, one line per policy."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ExpertCacheError("--plot needs matplotlib (pip install 'expertcache[bench]')") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from ..config import DEFAULT_POLICY
+
+    plt = pyplot()
 
     by_policy: dict[str, list] = {}
     for row in rows:
