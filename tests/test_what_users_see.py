@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from expertcache.bench.trace import Trace, TraceHeader, save_trace
 from expertcache.cli import build_parser, main
@@ -221,3 +222,67 @@ def test_every_flag_of_every_command_says_what_it_does():
               for name, p in _parsers(build_parser()) for a in p._actions
               if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and not a.help]
     assert silent == []
+
+
+# ---- a long prompt's prefill -------------------------------------------------------------------
+
+
+def test_prefill_reports_its_progress_layer_by_layer():
+    """`progress(done, total)` after each layer of each stretch, a stretch's tokens counted in
+    equal parts per layer: 25 tokens in stretches of 10 over the bundled model's layers, by hand."""
+    import expertcache
+
+    model = expertcache.load(prefill_stretch=10)
+    layers = len(model.net.weights.layers)
+    ids = list(range(5, 30))
+    seen = []
+    got = model.prefill(model.new_session(), ids, ubatch=4, progress=lambda d, t: seen.append((d, t)))
+    want = [(s + n * (i + 1) // layers, 25) for s, n in ((0, 10), (10, 10), (20, 5)) for i in range(layers)]
+    assert seen == want and seen[-1] == (25, 25)
+    assert torch.equal(got, model.prefill(model.new_session(), ids, ubatch=4))
+
+
+class _Terminal:
+    """stdout and stderr as one terminal: what a user sees, in the order written."""
+
+    def __init__(self):
+        self.parts: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.parts.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def test_run_shows_a_prefill_bar_on_a_terminal_and_the_prompt_after_it(monkeypatch, tmp_path):
+    """On a terminal a long prompt's prefill draws a bar on stderr; it is gone before the prompt is
+    echoed and the reply streams, so it never draws over them. stdout holds what it held before:
+    the prompt, then the generated text."""
+    import sys
+
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("def parse(line):\n    return line.split(',')\n" * 40)
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stdout", term)
+    monkeypatch.setattr(sys, "stderr", term)
+    assert main(["run", "-f", str(prompt), "-n", "3", "--ubatch", "16", "--prefill-stretch", "64"]) == 0
+    text = term.text
+    bars = [m.start() for m in re.finditer(r"prefill: +\d+%", text)]
+    assert len(bars) >= 3, text[:500]
+    assert text.index(prompt.read_text()) > bars[-1]
+
+
+def test_run_writes_no_bar_where_stderr_is_not_a_terminal(capsys, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("import os\n" * 200)
+    code, err = run_cli(capsys, "run", "-f", str(prompt), "-n", "2", "--ubatch", "16")
+    assert code == 0 and "prefill:" not in err and "\r" not in err

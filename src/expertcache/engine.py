@@ -245,7 +245,8 @@ class Model:
         return self.net.forward(ids, self.net.new_kv(len(ids)))
 
     def prefill(self, session: Session, token_ids: list[int], ubatch: int = 512,
-                all_logits: bool = False, should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+                all_logits: bool = False, should_stop: Callable[[], bool] | None = None,
+                progress: Callable[[int, int], None] | None = None) -> torch.Tensor | None:
         """Append token_ids to the session; logits of the last token [V] (or all [T, V]).
 
         The tokens run in stretches of `self.stretch` tokens, each one forward layer by layer:
@@ -255,7 +256,8 @@ class Model:
         is asked before each micro-batch after the first: when it says yes, prefill stops and
         returns None; the session holds the stretches that were completed (a stretch left
         half-way leaves recurrent state and rings to be restored by `Session.truncate`, as after
-        a failed forward)."""
+        a failed forward). `progress(done, total)` hears of the tokens done as each layer of a
+        stretch is (a stretch's tokens count in equal parts per layer)."""
         if ubatch < 1:
             raise ExpertCacheError(f"ubatch {ubatch} must be at least 1")
         if not token_ids:
@@ -275,9 +277,15 @@ class Model:
                 if s and should_stop is not None and should_stop():
                     return None
                 part = token_ids[s: s + step]
+                on_layer = None
+                if progress is not None:
+                    layers, n, total = len(self.net.weights.layers), len(part), len(token_ids)
+
+                    def on_layer(i: int, s=s, n=n) -> None:
+                        progress(s + n * (i + 1) // layers, total)
                 try:
                     out = self.net.forward(self._as_tensor(part), session.kv, all_logits=all_logits, chunk=ubatch,
-                                           should_stop=should_stop)
+                                           should_stop=should_stop, on_layer=on_layer)
                 except PrefillStopped:
                     return None
                 if all_logits or s + step >= len(token_ids):
@@ -334,12 +342,14 @@ class Model:
                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                  stop: list[str] | None = None, ubatch: int = 512, session: Session | None = None,
                  on_text: Callable[[str], bool | None] | None = None,
-                 ignore_eos: bool = False, should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+                 ignore_eos: bool = False, should_stop: Callable[[], bool] | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> GenerationResult:
         """Generate after `prompt`. With `session`, its longest common prefix with the prompt is
         reused and the session holds the conversation afterwards (state computed with weights
         that have since changed is dropped, never reused). `on_text` receives each new piece of
         text; returning False stops generation. `should_stop` is asked between prefill
-        micro-batches; a yes ends the call with finish reason `abort`."""
+        micro-batches; a yes ends the call with finish reason `abort`. `progress(done, total)`
+        follows the prompt tokens the call prefills (`prefill`)."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 0:
             raise ExpertCacheError(f"max_tokens {max_tokens!r} must be an integer >= 0")
         if isinstance(prompt, str) and self.tokenizer is None:
@@ -364,7 +374,7 @@ class Model:
         cached = session.truncate(cached)
 
         t0 = time.perf_counter()
-        logits = self.prefill(session, ids[cached:], ubatch, should_stop=should_stop)
+        logits = self.prefill(session, ids[cached:], ubatch, should_stop=should_stop, progress=progress)
         t1 = time.perf_counter()
         if logits is None:
             return GenerationResult("", [], len(ids), cached, "abort", t1 - t0, 0.0)

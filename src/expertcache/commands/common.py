@@ -7,7 +7,7 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import ExpertCacheError
@@ -42,6 +42,42 @@ def load_model(args):
         print(f"expertcache: warning: -c {model.ctx_size} is beyond the {model.cfg.max_position} tokens the model "
               "was trained on; output past that length may degrade", file=sys.stderr, flush=True)
     return model
+
+
+class PrefillBar:
+    """A progress bar of a prompt's prefill on stderr (`Model.generate(progress=...)`), on a
+    terminal only, cleared when the prompt is done; `then` runs once at that point (`run` echoes
+    the prompt then, so that the bar never draws over text on the same terminal)."""
+
+    def __init__(self, then: Callable[[], None] | None = None):
+        self.bar = None
+        self.then = then
+
+    def __call__(self, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc="prefill", unit="tok", file=sys.stderr, leave=False, disable=None)
+        self.bar.n = done
+        self.bar.refresh()
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+
+    def __enter__(self) -> PrefillBar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def read_text_file(path: str) -> str:

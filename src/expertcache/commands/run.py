@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import ExpertCacheError
 from ..flags import add_cache_flags, nonneg_int
 from ..telemetry import peak_rss_bytes
-from .common import add_model_flags, add_sampling_flags, load_model, read_text_file, sampling_options
+from .common import PrefillBar, add_model_flags, add_sampling_flags, load_model, read_text_file, sampling_options
 
 
 def cmd_run(args) -> int:
@@ -32,10 +32,12 @@ def cmd_run(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    if not args.json:
+    def echo() -> None:  # the prompt, once its prefill's bar is gone
         sys.stdout.write(prompt)
         sys.stdout.flush()
-    res = model.generate(prompt, on_text=None if args.json else stream, **gen)
+
+    with PrefillBar(then=None if args.json else echo) as bar:
+        res = model.generate(prompt, on_text=None if args.json else stream, progress=bar, **gen)
     if args.json:
         print(json.dumps(_result_json(model, res)))
     else:
@@ -95,7 +97,8 @@ def _chat_loop(model, gen, args) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        res = model.generate(ids, session=session, on_text=stream, **gen)
+        with PrefillBar() as bar:
+            res = model.generate(ids, session=session, on_text=stream, progress=bar, **gen)
         sys.stdout.write("\n")
         _context_notice(model, res, args.n_predict)
         messages.append({"role": "assistant", "content": res.text})

@@ -14,7 +14,7 @@ from ..flags import add_cache_flags, add_prefetch_width_flag, nonneg_int, positi
 from .args import finite_float, seed
 from ..checkpoint.writer import atomic_file, check_output_file
 from ..plots import check_png_path, pyplot, save_png
-from .common import add_model_flags, add_sampling_flags, load_model, read_text_file, sampling_options, writing
+from .common import PrefillBar, add_model_flags, add_sampling_flags, load_model, read_text_file, sampling_options, writing
 
 DEFAULT_CAPACITIES = "10%,25%,50%,75%"
 
@@ -43,13 +43,14 @@ def cmd_record(args) -> int:
         print(f"[prompt {res.prompt_tokens} tok ({res.cached_tokens} reused), generated "
               f"{len(res.token_ids)} tok, {res.gen_tps:.1f} tok/s, {res.finish_reason}]", file=sys.stderr)
 
-    if text is not None:
-        ids = model.tokenizer.encode(text)
-        if args.max_prompt_tokens is not None:
-            ids = ids[: args.max_prompt_tokens]
-        progress(recorder.generate(model, ids, max_tokens=args.n_predict, **gen))
-    else:
-        run_prompts(model, recorder, items, args.n_predict, on_result=progress, **gen)
+    with PrefillBar() as bar:  # a long prompt's prefill is minutes of silence without it
+        if text is not None:
+            ids = model.tokenizer.encode(text)
+            if args.max_prompt_tokens is not None:
+                ids = ids[: args.max_prompt_tokens]
+            progress(recorder.generate(model, ids, max_tokens=args.n_predict, progress=bar, **gen))
+        else:
+            run_prompts(model, recorder, items, args.n_predict, on_result=progress, progress=bar, **gen)
     trace = recorder.trace()
     with writing(args.output), atomic_file(out) as tmp:
         save_trace(trace, tmp, name=args.output)  # errors name the output, not the temporary file

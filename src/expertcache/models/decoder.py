@@ -134,14 +134,16 @@ class Decoder:
         return h
 
     def forward(self, tokens: torch.Tensor, kv: KVCache, all_logits: bool = True,
-                chunk: int | None = None, should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+                chunk: int | None = None, should_stop: Callable[[], bool] | None = None,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run tokens [T] after what `kv` holds; return logits [T, V] (or [1, V] for the last).
 
         With `chunk` < T the forward runs layer by layer over the whole stretch of T tokens: each
         layer's mixer runs over micro-batches of `chunk` tokens (attention's memory grows with
         the tokens of a call), and its feed-forward block over all T at once, so that each MoE
         layer is one op and each expert it uses is loaded once for the stretch. `should_stop` is
-        asked before each micro-batch after the first: a yes raises `PrefillStopped`.
+        asked before each micro-batch after the first: a yes raises `PrefillStopped`. `on_layer(i)`
+        is called as each layer i is done (a long prompt's progress).
         """
         cfg, k, w, norm = self.cfg, self.kernels, self.weights, self.norm
         eps = cfg.rms_norm_eps
@@ -161,6 +163,8 @@ class Decoder:
         h = self.embed(tokens)  # [T, D]
         try:
             for i, lw in enumerate(w.layers):
+                if on_layer is not None and i:
+                    on_layer(i - 1)
                 if chunk == T:
                     h = h + lw.mixer(k, lw.attn, norm(h, lw.input_norm, eps), i, kv, cos, sin)
                 else:
@@ -185,6 +189,8 @@ class Decoder:
                     y = y + torch.sigmoid(k.linear(x, lw.shared_gate)) * shared  # [T, D]
                 h = h + y
                 lap("experts")
+            if on_layer is not None:
+                on_layer(len(w.layers) - 1)
         finally:
             kv.seek(base)  # a failed forward leaves `length` where it was (the caches' rule)
         kv.advance(T)
