@@ -225,3 +225,56 @@ def test_a_model_dropped_while_its_worker_reads_frees_its_cache_and_thread(monke
         gc.collect()
         thread.join(0.05)
     assert not thread.is_alive() and ref() is None
+
+
+def test_a_process_forked_while_its_worker_reads_recovers_in_the_child(reference):
+    """A fork while the copy worker reads (one prefetch running, one queued): the child has no
+    worker thread, and its copies of the two jobs never end. Its cache takes them as failed
+    copies (the rollback drops their experts; an op copies them on demand), starts a worker of its
+    own, and gives the all-resident logits bitwise; the parent goes on as if nothing happened."""
+    import os
+    import signal
+    import traceback
+
+    model = _load(experts=12, store="disk", prefetch_width=2.0)
+    model.logits(IDS[:3])
+    cache = model.experts
+    reading, go = threading.Event(), threading.Event()
+
+    def hold(_n):
+        if threading.current_thread().name == COPY_THREAD:
+            reading.set()
+            assert go.wait(30)
+
+    cache.store.read_hook = hold
+    layer = cache.moe_layers[0]
+    absent = [e for e in range(cache.num_experts) if not cache.residency.is_resident(ExpertKey(layer, e))]
+    cache.prefetch(layer, absent[:2])
+    assert reading.wait(30)
+    cache.prefetch(cache.moe_layers[1], list(range(2)))  # queued behind the running job
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest from here on, only an exit code
+        code = 1
+        try:
+            cache.store.read_hook = None
+            code = 0 if all(torch.equal(model.logits(x), want) for x, want in zip(INPUTS, reference)) else 3
+            slots_hold_what_they_claim(cache)
+        except BaseException:
+            traceback.print_exc()
+            code = 4
+        finally:
+            os._exit(code)
+    go.set()
+    deadline = time.monotonic() + 20
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+    cache.store.read_hook = None
+    _recovers(model, reference)

@@ -45,6 +45,10 @@ class Telemetry:
         self._ops = 0
         self._time_lock = threading.Lock()
 
+    def after_fork_in_child(self) -> None:
+        """A forked child's lock: the copy worker may have held the parent's at the fork."""
+        self._time_lock = threading.Lock()
+
     def add_seconds(self, name: str, seconds: float) -> None:
         """Add to one of the `*_seconds` sums: the copy worker and the op's thread both time
         copies, and `+=` on an attribute can lose one of two concurrent updates."""

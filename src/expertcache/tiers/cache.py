@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 import weakref
 import zlib
@@ -43,20 +44,32 @@ import torch
 from tqdm import tqdm
 
 from ..config import CacheConfig
-from ..errors import ExpertCacheError
+from ..errors import CopyError, ExpertCacheError
 from ..memory import host_zeros
 from ..telemetry import Telemetry
 from .layout import ExpertFormat, ExpertWeights, expert_weights
 from .policy import ExpertKey, make_policy
 from .residency import Residency, Wave
 from .store import LARGE_LOAD_BYTES, ExpertStore, FileVersion, file_version
-from .transfer import CopyJob, CopyWorker, Transfers
+from .transfer import DONE, CopyJob, CopyWorker, Transfers
 
 _NOTHING: frozenset = frozenset()
 
 # After an op of a layer is planned: the next op's layer and its predicted experts (distinct,
 # best first), or None.
 Predict = Callable[[int], "tuple[int, list[int]] | None"]
+
+
+# Every cache of the process, for what a fork must set right in the child (`_after_fork_in_child`).
+_CACHES: weakref.WeakSet[ExpertCache] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for cache in list(_CACHES):
+        cache._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +90,8 @@ class ExpertCache:
         self.predict: Predict | None = None  # set by the engine when prefetch is active
         self.fitted_predictor = False  # set by the engine: fitted maps, not the routers, predict
         self._worker: CopyWorker | None = None
+        self._worker_closer: weakref.finalize | None = None
+        _CACHES.add(self)
         # Set while `set_store` has not completed: the next call opens the checkpoint again, so
         # that the engine never computes with weights of one version and experts of another.
         self._switching = False
@@ -421,8 +436,26 @@ class ExpertCache:
                 cache._run_job(job)
 
             self._worker = CopyWorker(run)
-            weakref.finalize(self, self._worker.close)
+            self._worker_closer = weakref.finalize(self, self._worker.close)
         return self._worker
+
+    def _after_fork_in_child(self) -> None:
+        """In a process forked from this one: the copy worker's thread did not come along, so
+        the jobs it had queued or was running would never end, and its locks may be held forever.
+        The jobs end as failed copies (their slots may hold part of a read; the rollback drops
+        their experts, and an op copies them on demand) and a new worker starts when one is next
+        needed; the old one is left alone, its locks unused."""
+        if self._worker is None:
+            return
+        self._worker_closer.detach()
+        self._worker = self._worker_closer = None
+        self.telemetry_.after_fork_in_child()
+        for job in self._jobs:
+            job.done = threading.Event()  # the old one's lock may have been held by the worker
+            if job.state != DONE:
+                job.error = CopyError(f"layer {job.layer}: the prefetch copy was lost when the process forked")
+                job.state = DONE
+            job.done.set()
 
     def _run_job(self, job: CopyJob) -> None:
         """A prefetch job's live experts into their slots (on the worker, or on the caller that took
