@@ -267,6 +267,39 @@ def test_a_wave_left_early_leaves_its_misses_unplanned(models):
     slots_hold_what_they_claim(cache)
 
 
+@pytest.mark.parametrize("with_hits", [False, True])
+def test_work_beside_the_experts_runs_while_the_ops_misses_are_read(models, with_hits):
+    """`acquire(meanwhile=...)` (Gemma 4's dense MLP, a shared expert) runs once the op's misses
+    are handed to the worker and before anything waits for them: it overlaps the read in flight,
+    whether or not the op has hits to compute first."""
+    model = _load(models["qwen2"], experts=10, store="disk", prefetch="off")
+    cache = model.experts
+    model.logits(IDS[:4])
+    layer = cache.moe_layers[0]
+    hits = sorted(k.expert for k in cache.residency.resident_keys() if k.layer == layer)[:2] if with_hits else []
+    misses = [e for e in range(cache.num_experts) if not cache.residency.is_resident(ExpertKey(layer, e))][:2]
+    reading, release = threading.Event(), threading.Event()
+    order = []
+
+    def hold(_n):
+        if threading.current_thread().name == WORKER:
+            reading.set()
+            assert release.wait(10)
+            order.append("read")
+
+    def meanwhile():
+        assert reading.wait(10)  # the worker is reading this op's misses now
+        order.append("meanwhile")
+        release.set()
+
+    cache.store.read_hook = hold
+    waves = [[e for e, _ in wave] for wave in cache.acquire(layer, sorted(hits + misses), meanwhile=meanwhile)]
+    cache.store.read_hook = None
+    assert order[:2] == ["meanwhile", "read"] and order.count("meanwhile") == 1
+    assert sorted(e for wave in waves for e in wave) == sorted(hits + misses)
+    slots_hold_what_they_claim(cache)
+
+
 def test_a_prefetch_failing_while_its_op_is_planned_keeps_its_slot_for_that_op(models):
     """A prefetch whose copy fails after the op that hits it was planned, and before that op plans
     the next prefetch: the op copies it again itself, and its slot is not given to the next

@@ -12,7 +12,7 @@ T = tokens, D = hidden, E = experts, A = active experts per token (top-k), I = e
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,13 +25,16 @@ from ..tiers.layout import ExpertWeights
 
 
 class ExpertProvider(Protocol):
-    def acquire(self, layer: int, experts: Sequence[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+    def acquire(self, layer: int, experts: Sequence[int], meanwhile: Callable[[], None] | None = None
+                ) -> Iterator[list[tuple[int, ExpertWeights]]]:
         """Yield the experts of `layer` in waves of (id, weights); each wave's views are valid
         until the next one.
 
         `experts` are the op's distinct expert ids, sorted. Leaving the generator (exhausted,
         closed or on error) releases what it pinned, so a caller that stops early leaves nothing
-        pinned.
+        pinned. `meanwhile`: work of the caller's that needs no expert (a dense MLP, a shared
+        expert), called once before the first wave is yielded, while that wave's copies are in
+        flight where they are made asynchronously.
         """
         ...
 
@@ -75,11 +78,14 @@ OP_BUFFERS = 3
 
 
 def moe_experts(k: Kernels, x: torch.Tensor, routing: Routing, provider: ExpertProvider,
-                layer: int, act: str = "silu", workspace: Workspace | None = None) -> torch.Tensor:
+                layer: int, act: str = "silu", workspace: Workspace | None = None,
+                meanwhile: Callable[[], None] | None = None) -> torch.Tensor:
+    """The op's output [T, D]. `meanwhile` (`ExpertProvider.acquire`) runs once, while the op's
+    first copies are in flight: work beside the experts overlaps their reads."""
     T, D = x.shape
     A = routing.ids.shape[1]
     if T == 1:
-        return _moe_one_token(k, x, routing, provider, layer, act)
+        return _moe_one_token(k, x, routing, provider, layer, act, meanwhile)
     if workspace is None:
         workspace = Workspace()
     flat = routing.ids.reshape(-1)                              # [T*A]
@@ -93,7 +99,7 @@ def moe_experts(k: Kernels, x: torch.Tensor, routing: Routing, provider: ExpertP
         acc += c
     xs = torch.index_select(x, 0, order // A, out=workspace.take("xs", T * A, x))  # [T*A, D] grouped by expert
     ys = workspace.take("ys", T * A, x)                         # [T*A, D] outputs, same grouping
-    for wave in provider.acquire(layer, used):
+    for wave in provider.acquire(layer, used, meanwhile):
         for e, w in wave:
             a, b = start[e]
             ys[a:b] = k.expert(xs[a:b], w, act)                 # [n, D]
@@ -105,7 +111,7 @@ def moe_experts(k: Kernels, x: torch.Tensor, routing: Routing, provider: ExpertP
 
 
 def _moe_one_token(k: Kernels, x: torch.Tensor, routing: Routing, provider: ExpertProvider,
-                   layer: int, act: str = "silu") -> torch.Tensor:
+                   layer: int, act: str = "silu", meanwhile: Callable[[], None] | None = None) -> torch.Tensor:
     """The decode step: one token, so no grouping of rows; the same fixed-order combine."""
     ranked = routing.ids[0].tolist()                               # expert ids in router-rank order
     # Where the kernels can, they write each expert's output (fp32) to its rank's row and sum the
@@ -114,7 +120,7 @@ def _moe_one_token(k: Kernels, x: torch.Tensor, routing: Routing, provider: Expe
     rank = {e: j for j, e in enumerate(ranked)}
     ys: dict[int, torch.Tensor] = {}
     written = False
-    for wave in provider.acquire(layer, sorted(ranked)):
+    for wave in provider.acquire(layer, sorted(ranked), meanwhile):
         if rows is not None:
             if k.experts_one_row(x, wave, act, rows, [rank[e] for e, _ in wave]) is not None:
                 written = True

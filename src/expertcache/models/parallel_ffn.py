@@ -89,10 +89,15 @@ class ParallelFFN:
         routing = dec.hooked(layer, self.route(k, h, lw.router, w))
         lap("routing")
         norm = partial(k.rms_norm_scaled, eps=eps, reference=gemma_rms_norm)
-        dense = norm(k.swiglu(x, w.dense.gate_up, w.dense.down, self.act), w.post_1)  # [T, D]
-        lap("dense_mlp")
-        moe = moe_experts(k, norm(h, w.pre_2), routing, dec.provider, layer, self.act)  # [T, D]
-        h = h + norm(dense + norm(moe, w.post_2), w.post)
+        dense = []
+
+        def dense_mlp() -> None:  # while the op's first expert copies are in flight
+            dense.append(norm(k.swiglu(x, w.dense.gate_up, w.dense.down, self.act), w.post_1))  # [T, D]
+            lap("dense_mlp")
+
+        moe = moe_experts(k, norm(h, w.pre_2), routing, dec.provider, layer, self.act, dec.workspace,
+                          meanwhile=dense_mlp)  # [T, D]
+        h = h + norm(dense[0] + norm(moe, w.post_2), w.post)
         lap("experts")
         return h if w.layer_scalar is None else h * w.layer_scalar
 

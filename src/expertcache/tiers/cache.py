@@ -190,9 +190,19 @@ class ExpertCache:
             raise
 
     # ---- one op ----
-    def acquire(self, layer: int, experts: Sequence[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+    def acquire(self, layer: int, experts: Sequence[int], meanwhile: Callable[[], None] | None = None
+                ) -> Iterator[list[tuple[int, ExpertWeights]]]:
         """Make `experts` (sorted distinct ids of `layer`) available, wave by wave: each wave is a
-        list of (expert, weights), valid until the next wave; closing the generator releases them."""
+        list of (expert, weights), valid until the next wave; closing the generator releases them.
+        `meanwhile` runs once, after the first wave's copies are handed to the worker (where the
+        split hands them) and before anything waits for them (`ExpertProvider.acquire`)."""
+
+        def work_meanwhile() -> None:
+            nonlocal meanwhile
+            if meanwhile is not None:
+                work, meanwhile = meanwhile, None
+                work()
+
         if self.mode == "staging":
             self.residency.clear()  # no reuse: the control copies every expert every op
         self._reap()
@@ -232,6 +242,8 @@ class ExpertCache:
                     ready = _part(wave, lambda s: s not in late)
                     if wave.fills:
                         outstanding = self._demand_job(layer, wave)
+                    work_meanwhile()
+                    t0 = time.perf_counter()  # stall_seconds: waits for copies, not that work
                     self._take_prefetched(layer, ready)  # their copies are done: nothing waits
                     self.telemetry_.add_seconds("stall_seconds", time.perf_counter() - t0)
                     yield from self._compute(layer, ready)
@@ -239,6 +251,9 @@ class ExpertCache:
                     wave = _part(wave, lambda s: s in late)
                 if split and outstanding is None and wave.fills:
                     outstanding = self._demand_job(layer, wave)
+                if meanwhile is not None:
+                    work_meanwhile()
+                    t0 = time.perf_counter()
                 # With the split, every copy the wave still waits for is made on the worker: its
                 # demand copies and its pending prefetches go to the front of the queue, and this
                 # thread only waits (outside `demand()`, which would hold the worker back). The
@@ -259,6 +274,7 @@ class ExpertCache:
                 done += 1
                 self.telemetry_.add_seconds("stall_seconds", time.perf_counter() - t0)
                 yield from self._compute(layer, wave)
+            work_meanwhile()  # an op of no waves (none has any today) still does the caller's work
         finally:
             self._op_reads = _NOTHING
             if outstanding is not None:
