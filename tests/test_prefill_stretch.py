@@ -220,6 +220,40 @@ def test_bench_serve_starts_our_server_with_the_prefill_and_prefetch_flags():
     assert resident.prefill_stretch == 1024 and resident.cache_fraction is None
 
 
+def test_bench_serve_passes_every_flag_it_shares_with_serve():
+    """Each option both `bench serve` and `serve` take, given a value other than its default,
+    reaches the server `bench serve --compare` starts (--cache-verify and --predictor were
+    accepted and dropped); options only one side has are listed here and nowhere else."""
+    from expertcache.bench import serve
+    from expertcache.commands.serve import register
+    from expertcache.flags import Parser
+
+    bench, server = Parser(prog="bench"), Parser(prog="expertcache")
+    serve.add_parser(bench.add_subparsers())
+    register(server.add_subparsers())
+    ours = {a.dest: a for a in bench._subparsers._group_actions[0].choices["serve"]._actions}
+    theirs = {a.dest: a for a in server._subparsers._group_actions[0].choices["serve"]._actions}
+    # set by bench serve itself (mode, loopback address), or naming the model differently
+    own = {"help", "cache_mode", "host", "port", "model"}
+    shared = sorted(set(ours) & set(theirs) - own)
+    values = {"threads": "3", "ctx_size": "512", "dtype": "float32", "device": "cpu", "ubatch": "64",
+              "prefill_stretch": "1024", "prefill_mem": "1GiB", "kernels": "torch", "activations": "exact",
+              "cache_policy": "lru", "store": "disk", "cache_fraction": "0.25", "prefetch": "on",
+              "prefetch_width": "1.5", "prefetch_min_prob": "0.5", "predictor": "p.safetensors"}
+    argv = ["serve", "--suite", "prefill", "-m", "M", "--compare", "cache"]
+    for dest in shared:
+        action = ours[dest]
+        if action.nargs == 0:  # a switch
+            argv.append(action.option_strings[-1])
+        elif dest in values:
+            argv += [action.option_strings[-1], values[dest]]
+    args = bench.parse_args(argv)
+    got = server.parse_args(serve.serve_argv(args, "cache", 8080)[3:])
+    missing = [d for d in shared if d not in ("cache_experts", "cache_mem") and getattr(got, d) != getattr(args, d)]
+    assert not missing, missing
+    assert got.cache_verify and got.predictor == "p.safetensors"
+
+
 def test_bench_cache_passes_the_kernel_and_activation_choices_to_each_run():
     from expertcache.bench import cache_bench
     from expertcache.flags import Parser

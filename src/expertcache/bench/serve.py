@@ -299,13 +299,15 @@ def serve_argv(args, mode: str, port: int) -> list[str]:
         argv += ["--prefetch", args.prefetch, "--prefetch-width", str(args.prefetch_width),
                  "--prefetch-min-prob", str(args.prefetch_min_prob)]
         for flag, v in (("--cache-experts", args.cache_experts), ("--cache-mem", args.cache_mem),
-                        ("--cache-fraction", args.cache_fraction)):
+                        ("--cache-fraction", args.cache_fraction), ("--predictor", args.predictor)):
             if v is not None:
                 argv += [flag, str(v)]
     for flag, v in (("-t", args.threads), ("-c", args.ctx_size), ("--dtype", args.dtype),
                     ("--prefill-mem", args.prefill_mem)):
         if v is not None:
             argv += [flag, str(v)]
+    if args.cache_verify:
+        argv.append("--cache-verify")
     return argv
 
 
