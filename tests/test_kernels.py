@@ -4,6 +4,8 @@ across cache modes, close to torch's kernels, and clear errors where they cannot
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -633,3 +635,29 @@ def test_auto_falls_back_to_torch_with_one_notice_when_the_kernels_cannot_build(
     assert len(notice) == 1 and "ninja" in notice[0]
     with pytest.raises(ExpertCacheError, match="ninja"):
         expertcache.load(checkpoint, kernels="native")
+
+
+def test_checkouts_of_one_source_share_one_native_build(tmp_path, monkeypatch):
+    """Two copies of the same native source (a CI clone, a worktree) compile from one staged copy
+    under one name: the build file names the sources' paths, and compiling each from its own
+    path rebuilt the module on every start from the other (30-70 s each). A different source gets
+    a name of its own."""
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    from expertcache import kernels as kmod
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    built = []
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: built.append((name, sources)) or name)
+    native = Path(kmod.__file__).resolve().parents[1] / "native"
+    copies = [shutil.copytree(native, tmp_path / side) for side in ("a", "b")]
+    names = [kmod.build_native("decode", Path(c) / "decode.cpp", "test") for c in copies]
+    assert names[0] == names[1] and built[0] == built[1]
+    staged = Path(built[0][1][0])
+    assert not staged.is_relative_to(tmp_path / "a") and not staged.is_relative_to(tmp_path / "b")
+    assert staged.read_bytes() == (native / "decode.cpp").read_bytes()
+    assert (staged.parent / "rank_rows.h").read_bytes() == (native / "rank_rows.h").read_bytes()
+    (Path(copies[1]) / "decode.cpp").write_text((native / "decode.cpp").read_text() + "\n// changed\n")
+    assert kmod.build_native("decode", Path(copies[1]) / "decode.cpp", "test") != names[0]

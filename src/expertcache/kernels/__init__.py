@@ -38,6 +38,7 @@ with different choices can run side by side.
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import threading
 from pathlib import Path
@@ -96,9 +97,12 @@ def build_native(stem: str, source: Path, what: str, extra_flags: tuple[str, ...
 
     # The source is in the name too, with the headers beside it that the modules share: two
     # checkouts with different sources (a worktree beside the main one) then never build over,
-    # or load, each other's module.
+    # or load, each other's module. So is the torch it compiles against: the build's command
+    # line names torch's headers by path, and a second environment (a CI clone's) would rebuild
+    # the module on every start from one or the other.
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    tag = hashlib.sha1(_cpu_flags().encode() + source.read_bytes() + headers).hexdigest()[:10]
+    torch_dir = str(Path(torch.__file__).resolve().parent).encode()
+    tag = hashlib.sha1(_cpu_flags().encode() + source.read_bytes() + headers + torch_dir).hexdigest()[:10]
     name = f"expertcache_{stem}_{tag}" + ("_portable" if portable else "")
     flags = ["-O3", "-march=native", "-fopenmp", *extra_flags] + (["-DEXPERTCACHE_PORTABLE"] if portable else [])
     try:
@@ -109,14 +113,31 @@ def build_native(stem: str, source: Path, what: str, extra_flags: tuple[str, ...
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     if not any(build_dir.glob("*.so")):
         print(f"expertcache: building the {what} (first use only, about a minute)", file=sys.stderr, flush=True)
+    # Compiled from a copy in the build directory, which the name ties to the source's content:
+    # the build file names the sources' paths, so two checkouts of the same source (a CI clone, a
+    # worktree) compiling from their own paths rebuilt each other's module on every start.
     try:
-        return cpp_extension.load(name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        staged = _stage_sources(source, build_dir / "src")
+        return cpp_extension.load(name, sources=[str(staged)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                   verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         text = str(e).strip()
         first = text.splitlines()[0] if text else type(e).__name__
         raise ExpertCacheError(f"{what}: could not be built ({first}); expected a C++ compiler (g++) "
                                "and the Python headers") from None
+
+
+def _stage_sources(source: Path, into: Path) -> Path:
+    """`source` and the headers beside it, copied into `into` where missing or different (each
+    file replaced whole: processes starting together may stage at once); the staged source."""
+    into.mkdir(parents=True, exist_ok=True)
+    for f in [source, *sorted(source.parent.glob("*.h"))]:
+        data, dst = f.read_bytes(), into / f.name
+        if not dst.exists() or dst.read_bytes() != data:
+            tmp = into / f".{f.name}.{os.getpid()}"
+            tmp.write_bytes(data)
+            os.replace(tmp, dst)
+    return into / source.name
 
 
 def load_native(portable: bool = False) -> ModuleType:
