@@ -217,5 +217,5 @@ def test_synth_quant_checks_the_config_before_writing(tmp_path, capsys):
     out = tmp_path / "g.gguf"
     code, err = run_cli(capsys, "synth", "--like", "gemma-4-26b-a4b", "--layers", "2", "--experts", "4",
                         "--quant", "q4_k_m", "-o", str(out))
-    assert_one_line_error(code, err, "num_experts_per_tok 8 must be between 1 and 4")
+    assert_one_line_error(code, err, "--experts 4", "top-k of 8", "--top-k 4")  # names the flag that fixes it
     assert not out.exists() and not list(tmp_path.iterdir())

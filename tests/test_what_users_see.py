@@ -286,3 +286,13 @@ def test_run_writes_no_bar_where_stderr_is_not_a_terminal(capsys, tmp_path):
     prompt.write_text("import os\n" * 200)
     code, err = run_cli(capsys, "run", "-f", str(prompt), "-n", "2", "--ubatch", "16")
     assert code == 0 and "prefill:" not in err and "\r" not in err
+
+
+@pytest.mark.parametrize("policies, footnote", [("lru,arc", False), ("lru,lrfu", True)])
+def test_simulate_marks_the_default_policy_only_when_it_is_shown(tmp_path, capsys, policies, footnote):
+    from expertcache.config import DEFAULT_POLICY
+
+    trace = _trace(tmp_path / "t.npz")
+    assert main(["trace", "simulate", str(trace), "--policy", policies]) == 0
+    out = capsys.readouterr().out
+    assert (f"* default policy ({DEFAULT_POLICY})" in out) is footnote and "x MIN:" in out

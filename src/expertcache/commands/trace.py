@@ -140,7 +140,8 @@ def cmd_simulate(args) -> int:
             line += (f" {r.prefetch_issued:>9,} {r.prefetch_used:>8,} {r.prefetch_wasted:>9,} "
                      f"{_fmt(r.bytes_moved / base if base else None):>7}")
         print(line)
-    print(f"* default policy ({DEFAULT_POLICY}). x MIN: misses / Belady's misses; x MIN nc: the same over "
+    star = f"* default policy ({DEFAULT_POLICY}). " if any(row.result.policy == DEFAULT_POLICY for row in rows) else ""
+    print(f"{star}x MIN: misses / Belady's misses; x MIN nc: the same over "
           f"non-compulsory misses (misses minus first uses, {rows[0].result.compulsory_misses:,}).")
     if pf:
         at = f", probability >= {args.prefetch_min_prob:g}" if args.prefetch_min_prob else ""

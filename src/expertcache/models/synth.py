@@ -78,6 +78,10 @@ def synth_config(like: str, layers: int | None = None, experts: int | None = Non
         raw["num_experts"] = experts
     if top_k is not None:
         raw["top_k_experts" if gemma else "num_experts_per_tok"] = top_k
+    k = raw["top_k_experts" if gemma else "num_experts_per_tok"]
+    if experts is not None and top_k is None and k > experts:  # the preset's top-k does not fit
+        raise ExpertCacheError(f"--experts {experts} is fewer than {like}'s top-k of {k}: "
+                               f"give --top-k {experts} or less too")
     if vocab is not None:
         if vocab < 260:
             raise ExpertCacheError(f"vocab {vocab} must be at least 260 (256 bytes and the special tokens)")
