@@ -194,8 +194,9 @@ class ExpertCache:
                 ) -> Iterator[list[tuple[int, ExpertWeights]]]:
         """Make `experts` (sorted distinct ids of `layer`) available, wave by wave: each wave is a
         list of (expert, weights), valid until the next wave; closing the generator releases them.
-        `meanwhile` runs once, after the first wave's copies are handed to the worker (where the
-        split hands them) and before anything waits for them (`ExpertProvider.acquire`)."""
+        `meanwhile` runs once (`ExpertProvider.acquire`): with the split, after the first wave's
+        copies are handed to the worker and before anything waits for them; without it, after the
+        wave's copies are issued (asynchronous on a GPU) and before its experts compute."""
 
         def work_meanwhile() -> None:
             nonlocal meanwhile
@@ -251,7 +252,7 @@ class ExpertCache:
                     wave = _part(wave, lambda s: s in late)
                 if split and outstanding is None and wave.fills:
                     outstanding = self._demand_job(layer, wave)
-                if meanwhile is not None:
+                if split and meanwhile is not None:  # before the waits below: it overlaps the reads
                     work_meanwhile()
                     t0 = time.perf_counter()
                 # With the split, every copy the wave still waits for is made on the worker: its
@@ -273,6 +274,9 @@ class ExpertCache:
                         copied += len(wave.fills)
                 done += 1
                 self.telemetry_.add_seconds("stall_seconds", time.perf_counter() - t0)
+                # Without the split the copies were issued above: on a GPU they run on the copy
+                # stream while this runs; on a CPU this thread made them.
+                work_meanwhile()
                 yield from self._compute(layer, wave)
             work_meanwhile()  # an op of no waves (none has any today) still does the caller's work
         finally:
