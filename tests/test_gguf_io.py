@@ -262,6 +262,19 @@ def test_error_split_part_renamed(tmp_path):
     one_line(e, "model.gguf", "part 1 of a 2-part model")
 
 
+@pytest.mark.parametrize("key,value", [("split.count", "2"), ("split.tensors.count", "1"), ("split.count", True)])
+def test_error_split_keys_of_the_wrong_kind(tmp_path, key, value):
+    # A string split.count was a raw TypeError ('>' between str and int); a string
+    # split.tensors.count was reported as "is 1 but the parts hold 1 tensors".
+    write_gguf(tmp_path / "m.gguf", {"a": np.zeros((2, 32), np.float32)}, {key: value})
+    with pytest.raises(ExpertCacheError) as e:
+        GGUFCheckpoint(tmp_path / "m.gguf")
+    one_line(e, "m.gguf", f"metadata key {key!r} is {value!r}, expected an integer")
+    paths = write_split_by_hand(tmp_path, [["a"], ["b"]])
+    with GGUFCheckpoint(paths[0]) as ck:  # gguf-split's own kinds (uint16, int32) are integers
+        assert set(ck.tensors) == {"a", "b"}
+
+
 def test_error_not_gguf(tmp_path):
     p = tmp_path / "x.gguf"
     p.write_bytes(b"GGML" + bytes(100))

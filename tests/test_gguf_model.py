@@ -44,13 +44,13 @@ def _record(name):
     return json.loads((FIXTURES / f"{name}.json").read_text())
 
 
-def reference(name):
-    """transformers with the file's weights, exactly dequantized."""
+def reference(name, config: dict | None = None):
+    """transformers with the file's weights, exactly dequantized; `config` changes its config."""
     import gguf
     import transformers as tf
 
     rec = _record(name)
-    cfg = tf.AutoConfig.for_model(**rec["hf_config"])
+    cfg = tf.AutoConfig.for_model(**{**rec["hf_config"], **(config or {})})
     cfg.dtype = torch.float32
     model = tf.AutoModelForCausalLM.from_config(cfg).float().eval()
     want = model.state_dict()
@@ -302,3 +302,16 @@ def test_pack_writes_each_expert_as_one_range_with_the_same_results(tmp_path, ca
     assert_one_line_error(code, err, str(out), "already exists")
     code, err = run_cli(capsys, "pack", "-m", str(src), "-o", str(src), "--force")
     assert_one_line_error(code, err, str(src))
+
+
+def test_a_gguf_directory_with_the_original_config_json_is_the_gguf_model(tmp_path):
+    # GGUF repositories often carry the checkpoint's config.json; such a directory was read as a
+    # Hugging Face checkpoint and refused for want of safetensors files.
+    import shutil
+
+    src = FIXTURES / "olmoe-Q8_0.gguf"
+    shutil.copy(src, tmp_path / src.name)
+    (tmp_path / "config.json").write_text(json.dumps(_record("olmoe-Q8_0")["hf_config"]))
+    model = expertcache.load(tmp_path, dtype="float32")
+    assert torch.equal(model.logits(PROMPT), expertcache.load(src, dtype="float32").logits(PROMPT))
+    assert model.tokenizer.encode("def f(x):") == expertcache.load(src).tokenizer.encode("def f(x):")

@@ -160,6 +160,45 @@ def test_errors_name_the_file_and_the_way_out():
     one_line(e, "m.gguf", repr(again), "twice", "ids 100 and")
 
 
+def _spm_metadata() -> dict:
+    with GGUFCheckpoint(RECORDED / "spm-tiny.gguf") as ck:
+        return dict(ck.metadata)
+
+
+@pytest.mark.parametrize("kind,key,value,needle", [
+    # Each was a raw IndexError, TypeError or AttributeError from inside the tokenizer's build.
+    ("llama", "tokenizer.ggml.scores", [0.0] * 10, "holds 10 entries, expected one number per token (1162)"),
+    ("llama", "tokenizer.ggml.scores", ["a"] * 1162, "holds 'a', expected numbers"),
+    ("llama", "tokenizer.ggml.tokens", list(range(1162)), "holds 0, expected an array of strings"),
+    ("llama", "tokenizer.ggml.bos_token_id", "1", "'tokenizer.ggml.bos_token_id' is '1', expected a token id"),
+    ("gpt2", "tokenizer.ggml.merges", [1, 2], "holds 1, expected an array of strings"),
+    # Silently misread: string types were taken as given, a template of another type as none.
+    ("gpt2", "tokenizer.ggml.token_type", ["1"] * 4096, "holds '1', expected numbers"),
+    ("gpt2", "tokenizer.chat_template", 5, "'tokenizer.chat_template' is 5, expected a string"),
+    # A string 'false' was true: BOS or EOS added to every prompt (llama.cpp refuses the key's type).
+    ("gpt2", "tokenizer.ggml.add_eos_token", "false", "'tokenizer.ggml.add_eos_token' is 'false', expected a bool"),
+    ("gpt2", "tokenizer.ggml.add_bos_token", 0, "'tokenizer.ggml.add_bos_token' is 0, expected a bool"),
+    ("llama", "tokenizer.ggml.add_space_prefix", "no", "'tokenizer.ggml.add_space_prefix' is 'no', expected a bool"),
+])
+def test_metadata_of_the_wrong_kind_is_one_line(kind, key, value, needle):
+    meta = _spm_metadata() if kind == "llama" else converter_metadata(BUNDLED / "tokenizer.json", "gpt-2")
+    with pytest.raises(ExpertCacheError) as e:
+        tokenizer_parts_from_gguf({**meta, key: value}, "m.gguf")
+    one_line(e, "m.gguf", needle)
+
+
+def test_a_flag_stored_as_a_string_is_refused_by_the_cli(tmp_path, capsys):
+    from gguf import GGUFValueType as VT
+
+    from conftest import assert_one_line_error, run_cli
+    from gguf_blocks import rewrite_gguf
+
+    src = Path(__file__).resolve().parent / "fixtures" / "gguf" / "qwen3_moe-mix.gguf"
+    path = rewrite_gguf(src, tmp_path / "m.gguf", {"tokenizer.ggml.add_eos_token": ("false", VT.STRING, None)})
+    code, err = run_cli(capsys, "run", "-m", str(path), "-p", "def f(x):", "-n", "1")
+    assert_one_line_error(code, err, "m.gguf", "'tokenizer.ggml.add_eos_token' is 'false', expected a bool")
+
+
 def test_tokenizer_from_parts_matches_the_directory_tokenizer():
     ref = ECTokenizer(BUNDLED)
     got = ECTokenizer.from_parts(*tokenizer_parts_from_gguf(

@@ -92,9 +92,7 @@ def tokenizer_parts_from_gguf(metadata: dict, where: str) -> tuple[Tokenizer, di
                                f"in this GGUF); {_WAY_OUT}")
     tokens = _list(metadata, "tokenizer.ggml.tokens", where)
     n = len(tokens)
-    types = metadata.get("tokenizer.ggml.token_type") or [NORMAL] * n
-    if len(types) < n:
-        raise ExpertCacheError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries, expected {n}")
+    types = _per_token(metadata, "tokenizer.ggml.token_type", n, int, NORMAL, where)
     if "" in tokens:
         tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # what llama.cpp names an empty token
     vocab = _vocab(tokens, where)
@@ -114,8 +112,8 @@ def tokenizer_parts_from_gguf(metadata: dict, where: str) -> tuple[Tokenizer, di
         tok = _gemma4_bpe(vocab, _merges(metadata, vocab, where))
         add_bos, defaults = True, {}
     elif kind == "llama":
-        scores = metadata.get("tokenizer.ggml.scores") or [0.0] * n
-        add_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+        scores = _per_token(metadata, "tokenizer.ggml.scores", n, (int, float), 0.0, where)
+        add_prefix = _flag(metadata, "tokenizer.ggml.add_space_prefix", True, where)
         tok = _spm_bpe(tokens, vocab, scores, types, add_prefix)
         add_bos, defaults = True, {"bos": 1, "eos": 2, "unknown": 0}
     else:
@@ -125,12 +123,15 @@ def tokenizer_parts_from_gguf(metadata: dict, where: str) -> tuple[Tokenizer, di
     ids = {}
     for role in ("bos", "eos", "eot", "eom", "unknown", "padding"):
         i = metadata.get(f"tokenizer.ggml.{role}_token_id", defaults.get(role))
+        if i is not None and (isinstance(i, bool) or not isinstance(i, int)):
+            raise ExpertCacheError(f"{where}: metadata key 'tokenizer.ggml.{role}_token_id' is {i!r}, expected a "
+                                   f"token id; {_WAY_OUT}")
         ids[role] = i if i is not None and 0 <= i < n else None
     if ids["eot"] is None:
         ids["eot"] = next((vocab[t] for t in _EOT_TEXTS if t in vocab), None)
     if kind != "gemma4":
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
-    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+        add_bos = _flag(metadata, "tokenizer.ggml.add_bos_token", add_bos, where)
+    add_eos = _flag(metadata, "tokenizer.ggml.add_eos_token", False, where)
     eog = _end_of_generation(vocab, types, [ids[r] for r in ("eos", "eot", "eom")])
     name = str(metadata.get("general.name", "")).lower()
     _add_special_tokens(tok, tokens, types, phi3="phi-3" in name or "phi3" in name)
@@ -142,7 +143,7 @@ def tokenizer_parts_from_gguf(metadata: dict, where: str) -> tuple[Tokenizer, di
     cfg = {
         "bos_token": text("bos"), "eos_token": text("eos"), "eot_token": text("eot"), "pad_token": text("padding"),
         "add_bos_token": add_bos and ids["bos"] is not None, "add_eos_token": add_eos,
-        "chat_template": _chat_template(metadata), "eog_token_ids": eog,
+        "chat_template": _chat_template(metadata, where), "eog_token_ids": eog,
     }
     return tok, cfg
 
@@ -152,6 +153,34 @@ def _list(metadata: dict, key: str, where: str) -> list:
     if not isinstance(value, list) or not value:
         raise ExpertCacheError(f"{where}: metadata key {key!r} is missing or empty, expected an array of strings; "
                                f"{_WAY_OUT}")
+    bad = next((v for v in value if not isinstance(v, str)), None)
+    if bad is not None:
+        raise ExpertCacheError(f"{where}: metadata key {key!r} holds {bad!r}, expected an array of strings; {_WAY_OUT}")
+    return value
+
+
+def _per_token(metadata: dict, key: str, n: int, kind, default, where: str) -> list:
+    """An optional array with an entry per token (token types, scores), `default` for each where
+    absent. llama.cpp reads entry i for every token i without checking the length or the type."""
+    value = metadata.get(key)
+    if value is None:
+        return [default] * n
+    if not isinstance(value, list) or len(value) < n:
+        count = f"{len(value)} entries" if isinstance(value, list) else repr(value)
+        raise ExpertCacheError(f"{where}: metadata key {key!r} holds {count}, expected one number per token ({n}); "
+                               f"{_WAY_OUT}")
+    bad = next((v for v in value if not isinstance(v, kind) or isinstance(v, bool)), None)
+    if bad is not None:
+        raise ExpertCacheError(f"{where}: metadata key {key!r} holds {bad!r}, expected numbers; {_WAY_OUT}")
+    return value
+
+
+def _flag(metadata: dict, key: str, default: bool, where: str) -> bool:
+    """A bool setting: any other value is refused, as llama.cpp refuses a key of the wrong type
+    (a string 'false' read as true would add BOS or EOS to every prompt)."""
+    value = metadata.get(key, default)
+    if not isinstance(value, bool):
+        raise ExpertCacheError(f"{where}: metadata key {key!r} is {value!r}, expected a bool; {_WAY_OUT}")
     return value
 
 
@@ -249,8 +278,10 @@ def _add_special_tokens(tok: Tokenizer, tokens, types, phi3: bool) -> None:
     tok.add_tokens(user)
 
 
-def _chat_template(metadata: dict) -> str | None:
+def _chat_template(metadata: dict, where: str) -> str | None:
     template = metadata.get("tokenizer.chat_template")
-    if isinstance(template, str):
-        return template
-    return None
+    if template is not None and not isinstance(template, str):
+        # It was read as no template: a chat was then refused for want of one, naming another file.
+        raise ExpertCacheError(f"{where}: metadata key 'tokenizer.chat_template' is {template!r}, expected a string; "
+                               f"{_WAY_OUT}")
+    return template

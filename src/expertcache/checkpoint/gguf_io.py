@@ -284,8 +284,8 @@ class GGUFCheckpoint:
         self.metadata: dict[str, Any] = parts[0].metadata
         self.metadata_types: dict[str, tuple] = parts[0].types
         self.tensors: dict[str, GGUFTensorInfo] = {}
-        if len(parts) == 1 and parts[0].metadata.get("split.count", 1) > 1:
-            raise ExpertCacheError(f"{self.files[0]}: part {parts[0].metadata.get('split.no', 0) + 1} of a "
+        if len(parts) == 1 and _split_key(parts[0], "split.count", 1) > 1:
+            raise ExpertCacheError(f"{self.files[0]}: part {_split_key(parts[0], 'split.no', 0) + 1} of a "
                                    f"{parts[0].metadata['split.count']}-part model (split.count), but its name is not "
                                    "NAME-0000i-of-0000N.gguf; give the parts their gguf-split names")
         for i, part in enumerate(parts):
@@ -296,7 +296,7 @@ class GGUFCheckpoint:
                     raise ExpertCacheError(f"tensor {name!r} appears twice: in {self.tensors[name].file.name} "
                                            f"and {part.path.name}")
                 self.tensors[name] = info
-        expected = self.metadata.get("split.tensors.count")
+        expected = _split_key(parts[0], "split.tensors.count", None)
         if expected is not None and expected != len(self.tensors):
             raise ExpertCacheError(f"{self.files[0]}: split.tensors.count is {expected} but the "
                                    f"{len(self.files)} parts hold {len(self.tensors)} tensors")
@@ -378,9 +378,18 @@ class GGUFCheckpoint:
         self.close()
 
 
+def _split_key(part: _Part, key: str, default: int | None) -> int | None:
+    """A split.* count or index (gguf-split writes them as integers); another kind of value is an
+    error naming it, not a comparison that fails inside Python or passes by its printed form."""
+    value = part.metadata.get(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ExpertCacheError(f"{part.path}: metadata key {key!r} is {value!r}, expected an integer")
+    return value
+
+
 def _check_split(part: _Part, i: int, count: int) -> None:
     """Part `i` (0-based) of a `count`-part set says so in its split.* metadata, as gguf-split writes it."""
-    no, n = part.metadata.get("split.no"), part.metadata.get("split.count")
+    no, n = _split_key(part, "split.no", None), _split_key(part, "split.count", None)
     if no != i or n != count:
         raise ExpertCacheError(f"{part.path}: split.no={no}, split.count={n}; expected split.no={i}, "
                                f"split.count={count} from the file name")

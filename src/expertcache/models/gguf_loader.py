@@ -51,7 +51,8 @@ _EXTRA_NAMES = {"linear_attn.dt_bias": "ssm_dt.bias", "router.scale": "ffn_gate_
 
 
 def is_gguf(path: Path) -> bool:
-    """A .gguf file, or a directory that holds GGUF files and no config.json."""
+    """A .gguf file, or a directory that holds GGUF files and is not a Hugging Face checkpoint
+    (config.json with safetensors files)."""
     if path.is_file():
         # A GGUF under another name is still one: llama.cpp goes by the magic, not the name.
         try:
@@ -59,7 +60,10 @@ def is_gguf(path: Path) -> bool:
                 return path.suffix == ".gguf" or f.read(4) == b"GGUF"
         except OSError:
             return path.suffix == ".gguf"
-    return path.is_dir() and not (path / "config.json").exists() and any(path.glob("*.gguf"))
+    # GGUF repositories often carry the original config.json beside the .gguf files; without
+    # safetensors weights such a directory is the GGUF model, not a checkpoint missing its weights.
+    return path.is_dir() and any(path.glob("*.gguf")) and not (
+        (path / "config.json").exists() and any(path.glob("*.safetensors")))
 
 
 def config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConfig:
@@ -117,16 +121,39 @@ def _config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConf
             raise ExpertCacheError(f"per-layer {a}.attention.head_count_kv is not supported for {a}")
         kv = kv[0]  # the family reads the list
     head_dim = get("attention.key_length") or hidden // heads
+    head_dim = count("attention.key_length", head_dim)
+    # llama.cpp asserts equal key and value head sizes for these families, and (but for the
+    # families that read their own rotary dims) RoPE over the whole head.
+    value_dim = get("attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise ExpertCacheError(f"{a}.attention.value_length {value_dim!r}: expected the key length {head_dim} "
+                               "(keys and values of one head size)")
+    rotary = get("rope.dimension_count", head_dim)
+    if family is None and rotary != head_dim:
+        raise ExpertCacheError(f"{a}.rope.dimension_count {rotary!r}: expected the head dim {head_dim} "
+                               "(RoPE over the whole head)")
     sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in gg for i in range(layers))
     theta = number("rope.freq_base", 10000.0)
     if theta <= 0:
         raise ExpertCacheError(f"{a}.rope.freq_base {theta!r} must be a positive number")
-    scaling = get("rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise ExpertCacheError(f"{a}.rope.scaling.type {scaling!r} is not supported: expected none")
+    rope = _rope_from_gguf(a, get, theta, shared_rotary=a not in _OWN_ROTARY)
     norm = get("expert_weights_norm", arch.gguf_norm_topk_prob)
     if not isinstance(norm, bool):
         raise ExpertCacheError(f"{a}.expert_weights_norm {norm!r}: expected a bool")
+    # Routing as llama.cpp's graphs of these families compute it: softmax, weights unscaled.
+    gating = get("expert_gating_func")
+    if gating is not None and (isinstance(gating, bool) or gating != 1):
+        raise ExpertCacheError(f"{a}.expert_gating_func {gating!r} is not supported: expected 1 (softmax)")
+    w_scale = get("expert_weights_scale")
+    if w_scale is not None and (isinstance(w_scale, bool) or w_scale not in (0, 1)):
+        raise ExpertCacheError(f"{a}.expert_weights_scale {w_scale!r} is not supported: expected 1.0 "
+                               "(routing weights used as the router gives them)")
+    tokens = md.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and tokens and len(tokens) != vocab:
+        # llama.cpp sizes token_embd by the token list and refuses other rows; a mismatch would
+        # sample ids the tokenizer lacks, or look up rows the embedding lacks.
+        raise ExpertCacheError(f"tokenizer.ggml.tokens holds {len(tokens)} tokens but tensor 'token_embd.weight' "
+                               f"has {vocab} rows; expected one row per token")
     eos = md.get("tokenizer.ggml.eos_token_id")
     bos = md.get("tokenizer.ggml.bos_token_id")
     experts = need("expert_count")
@@ -143,13 +170,13 @@ def _config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConf
         top_k=need("expert_used_count"), moe_intermediate_size=width, intermediate_size=dense,
         rms_norm_eps=number("attention.layer_norm_rms_epsilon"),
         # Required, as llama.cpp requires it: a default would let a prompt run past the trained length.
-        max_position=need("context_length"), rope=RopeConfig(theta=theta),
+        max_position=need("context_length"), rope=rope,
         norm_topk_prob=norm,
         tie_word_embeddings="output.weight" not in gg,
         qkv_bias="blk.0.attn_q.bias" in gg, o_bias="blk.0.attn_output.bias" in gg,
         qk_norm=arch.qk_norm, clip_qkv=get("attention.clamp_kqv"),
         sparse_layers=sparse,
-        shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0) or 0,
+        shared_expert_intermediate_size=_shared_width(arch, gg, layers, get("expert_shared_feed_forward_length")),
         sliding_window=get("attention.sliding_window") or None,
         # Quantized weights compute in bf16 by default (--dtype float32 is the exact reference).
         dtype=torch.float32 if all_f32 else torch.bfloat16,
@@ -159,7 +186,84 @@ def _config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConf
     # A family with layers of its own kind reads their shapes from its own keys.
     if family is None:
         return cfg
-    return family(cfg, md, gg) if getattr(arch, "gguf_config_reads_file", False) else family(cfg, md)
+    read = _ReadKeys(md)
+    try:
+        out = family(cfg, read, gg) if getattr(arch, "gguf_config_reads_file", False) else family(cfg, read)
+    except (TypeError, ValueError, ExpertCacheError):
+        # A string where a count was due fails inside arithmetic or a check of another key's
+        # value: the key of the wrong kind is the one to name.
+        _check_kinds(a, read)
+        raise
+    _check_kinds(a, read)  # ... or passes as the number it spells (float('4'))
+    return out
+
+
+class _ReadKeys(dict):
+    """GGUF metadata that remembers which keys a family's config read (`read`)."""
+
+    def __init__(self, md: dict):
+        super().__init__(md)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+# The architecture keys llama.cpp stores as strings; every other one it reads holds numbers or bools.
+_STRING_KEYS = ("rope.scaling.type", "tensor_data_layout")
+
+
+def _check_kinds(a: str, md: _ReadKeys) -> None:
+    """Every `{a}.*` key a family read holds numbers (or bools), not text: a value of the wrong
+    kind is one line naming the key."""
+    for key in sorted(md.read):
+        if not key.startswith(f"{a}.") or key.removeprefix(f"{a}.") in _STRING_KEYS or key not in md:
+            continue
+        value = dict.__getitem__(md, key)
+        if isinstance(value, str) or (isinstance(value, list) and any(isinstance(v, str) for v in value)):
+            raise ExpertCacheError(f"{key} {value!r}: expected a number")
+
+
+# GGUF architectures whose layers build their RoPE tables from their own keys (Gemma 4: theta and
+# `rope_freqs` per layer kind) rather than from `ModelConfig.rope`: a scaling is refused there.
+_OWN_ROTARY = ("gemma4",)
+
+
+def _rope_from_gguf(a: str, get, theta: float, shared_rotary: bool) -> RopeConfig:
+    """RoPE as llama.cpp reads it: `rope.scaling.type` defaults to linear, its factor is
+    `rope.scaling.factor` or the older `rope.scale_linear` (0 or absent: none), type none ignores
+    the factor, and `rope.scaling.attn_factor` scales cos and sin whatever the type."""
+    kind = get("rope.scaling.type")
+    key = "rope.scaling.factor" if get("rope.scaling.factor") is not None else "rope.scale_linear"
+    factor = get(key, 0.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 0:
+        raise ExpertCacheError(f"{a}.{key} {factor!r}: expected a number >= 0")
+    attn = get("rope.scaling.attn_factor")
+    if attn is not None and (isinstance(attn, bool) or attn != 1):
+        raise ExpertCacheError(f"{a}.rope.scaling.attn_factor {attn!r} is not supported: expected 1.0")
+    if kind == "none" or (kind in (None, "linear") and factor in (0, 1)):
+        return RopeConfig(theta=theta)
+    if kind not in (None, "linear"):
+        raise ExpertCacheError(f"{a}.rope.scaling.type {kind!r} is not supported: expected none or linear")
+    if not shared_rotary:
+        raise ExpertCacheError(f"{a}.{key} {factor!r}: linear RoPE scaling is not supported for {a}")
+    return RopeConfig(theta=theta, type="linear", factor=float(factor))
+
+
+def _shared_width(arch: type[Architecture], gg: GGUFCheckpoint, layers: int, width) -> int:
+    """The shared expert's width: `expert_shared_feed_forward_length`, or where a converter wrote
+    none, the width of the shared expert's tensors (llama.cpp then takes feed_forward_length, which
+    those tensors must match)."""
+    if width is not None or arch.shared_expert_width is None:
+        return width or 0
+    name = next((f"blk.{i}.ffn_down_shexp.weight" for i in range(layers) if f"blk.{i}.ffn_down_shexp.weight" in gg),
+                None)
+    return gg.info(name).shape[-1] if name is not None else 0
 
 
 def nextn_layers(md: dict, blocks: int | None = None) -> int:
@@ -271,8 +375,13 @@ class GGUFExperts:
             for part, shape in parts:
                 name = f"blk.{i}.{GGUF_EXPERT_NAMES[part]}"
                 if name not in gg:
+                    # llama.cpp's converter wrote each expert as tensors of its own before April 2024
+                    # (the Mixtral files of then), which llama.cpp merged into these at load.
+                    old = f"blk.{i}.ffn_{part}.0.weight"
+                    layout = (f"; the file holds one tensor per expert ({old!r}, llama.cpp's layout before "
+                              "April 2024), which is not read here: convert the model again") if old in gg else ""
                     raise ExpertCacheError(f"{gg.files[0]}: missing tensor {name!r} "
-                                           f"(expected shape {[E, *shape]})")
+                                           f"(expected shape {[E, *shape]}){layout}")
                 info = gg.info(name)
                 if tuple(info.shape) != (E, *shape):
                     raise ExpertCacheError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, "
