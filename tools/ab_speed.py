@@ -8,6 +8,7 @@ name `expertcache_old` so that both import side by side.
     git worktree add /tmp/old 77dd92f
     python tools/ab_speed.py --old /tmp/old/src --model bundled --rounds 9
     python tools/ab_speed.py --old /tmp/old/src --model /tmp/q30 --threads 2 --prompt 64
+    python tools/ab_speed.py --old /tmp/old/src --model /tmp/g4 --threads 2 --store disk --cache-fraction 0.5
 
 Prints a table and ends with one JSON line.
 """
@@ -50,13 +51,22 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128, help="prefill tokens per round")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per round")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--store", help="with --cache-fraction: the slow tier (ram, mmap, disk); default all resident")
+    ap.add_argument("--cache-fraction", type=float, help="the cache's size as a fraction of all experts")
     args = ap.parse_args()
     import expertcache
 
     old = import_old(args.old)
     torch.set_num_threads(args.threads)
     path = None if args.model == "bundled" else args.model
-    models = {"old": old.load(path, kernels=args.kernels), "new": expertcache.load(path, kernels=args.kernels)}
+
+    def cache(pkg):  # each version's own CacheConfig
+        if args.cache_fraction is None:
+            return None
+        return pkg.CacheConfig(store=args.store or "ram", fraction=args.cache_fraction, prefetch="off")
+
+    models = {"old": old.load(path, kernels=args.kernels, cache=cache(old)),
+              "new": expertcache.load(path, kernels=args.kernels, cache=cache(expertcache))}
     ids = [(7 * i) % 250 + 3 for i in range(args.prompt)]
 
     def one(m):
@@ -81,6 +91,7 @@ def main() -> None:
     for i, (p, d) in enumerate(rows):
         print(f"{i:>5} {p:>16.3f} {d:>15.3f}")
     out = {"model": args.model, "threads": args.threads, "kernels": args.kernels, "rounds": args.rounds,
+           "store": args.store, "cache_fraction": args.cache_fraction,
            "prefill_ratio_median": statistics.median(p for p, _ in rows),
            "decode_ratio_median": statistics.median(d for _, d in rows)}
     print(f"median {out['prefill_ratio_median']:>16.3f} {out['decode_ratio_median']:>15.3f}")

@@ -183,16 +183,13 @@ class Decoder:
                 routing = self.hooked(i, route(k, x, lw.router, cfg.top_k, cfg.norm_topk_prob,
                                                cfg.router_weights_fp32))
                 lap("routing")
-                if lw.shared is None:
-                    y = moe_experts(k, x, routing, self.provider, i, act, self.workspace)
-                else:
-                    shared = []  # the shared expert computes while the op's first copies are in flight
-
-                    def shared_expert(lw=lw, x=x) -> None:
-                        shared.append(k.swiglu(x, lw.shared.gate_up, lw.shared.down, act))  # [T, D]
-
-                    y = moe_experts(k, x, routing, self.provider, i, act, self.workspace, meanwhile=shared_expert)
-                    y = y + torch.sigmoid(k.linear(x, lw.shared_gate)) * shared[0]  # [T, D]
+                # The shared expert runs after the op, not as its `meanwhile`: in decode it is too small
+                # to hide a read, and computed first it delayed the worker's reads (Qwen3.6 shapes,
+                # disk store at 50%: decode 0.95-0.97x as fast, docs/benchmarks.md).
+                y = moe_experts(k, x, routing, self.provider, i, act, self.workspace)
+                if lw.shared is not None:
+                    shared = k.swiglu(x, lw.shared.gate_up, lw.shared.down, act)  # [T, D]
+                    y = y + torch.sigmoid(k.linear(x, lw.shared_gate)) * shared  # [T, D]
                 h = h + y
                 lap("experts")
             if on_layer is not None:
