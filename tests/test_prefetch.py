@@ -269,7 +269,7 @@ def test_a_wave_left_early_leaves_its_misses_unplanned(models):
 
 @pytest.mark.parametrize("with_hits", [False, True])
 def test_work_beside_the_experts_runs_while_the_ops_misses_are_read(models, with_hits):
-    """`acquire(meanwhile=...)` (Gemma 4's dense MLP, a shared expert) runs once the op's misses
+    """`acquire(meanwhile=...)` (Gemma 4's dense MLP) runs once the op's misses
     are handed to the worker and before anything waits for them: it overlaps the read in flight,
     whether or not the op has hits to compute first."""
     model = _load(models["qwen2"], experts=10, store="disk", prefetch="off")

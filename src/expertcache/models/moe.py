@@ -32,8 +32,8 @@ class ExpertProvider(Protocol):
 
         `experts` are the op's distinct expert ids, sorted. Leaving the generator (exhausted,
         closed or on error) releases what it pinned, so a caller that stops early leaves nothing
-        pinned. `meanwhile`: work of the caller's that needs no expert (a dense MLP, a shared
-        expert), called once before the first wave is yielded, while that wave's copies are in
+        pinned. `meanwhile`: work of the caller's that needs no expert (Gemma 4's dense MLP),
+        called once before the first wave is yielded, while that wave's copies are in
         flight where they are made asynchronously.
         """
         ...
