@@ -522,3 +522,16 @@ def test_dense_blocks_interleaved_for_the_kernels_give_the_same_bits(monkeypatch
     for use in (lambda: tiles.rows(0, 4), lambda: tiles.take(torch.tensor([0])), lambda: QuantTensor.cat([tiles])):
         with pytest.raises(TypeError, match="tiles"):  # the file's rows are not there to slice
             use()
+
+
+def test_q8_activations_with_float16_are_refused_in_one_line(capsys):
+    """The 8-bit kernels round fp32 or bf16 rows: --dtype float16 with --activations q8 on a
+    quantized model ended in a traceback at the first decode step; now one line before loading.
+    Without q8 (or on a model without quantized weights, where q8 changes nothing) it runs."""
+    from conftest import assert_one_line_error, run_cli
+
+    gg = str(Path(__file__).parent / "fixtures" / "gguf" / "qwen3_moe-mix.gguf")
+    assert_one_line_error(*run_cli(capsys, "run", "-m", gg, "-p", "def f(x):", "-n", "2", "--dtype", "float16",
+                                   "--activations", "q8"), "--activations q8", "float16")
+    assert run_cli(capsys, "run", "-m", gg, "-p", "def f(x):", "-n", "2", "--dtype", "float16")[0] == 0
+    assert run_cli(capsys, "run", "-p", "def f(x):", "-n", "2", "--dtype", "float16", "--activations", "q8")[0] == 0

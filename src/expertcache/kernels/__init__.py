@@ -176,6 +176,9 @@ def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bo
     `ACTIVATIONS_CHOICES`) decides whether products with quantized weights round their
     activations to 8 bits first."""
     check_choice(kernels, device, dtype, activations)
+    if quantized and activations == "q8" and dtype == torch.float16:  # the 8-bit kernels take fp32 or bf16 rows
+        raise ExpertCacheError("--activations q8 rounds float32 or bfloat16 activations; got dtype float16, "
+                               "expected --dtype bfloat16 or float32")
     chosen: Kernels = TorchKernels()
     if not (kernels == "torch" or (kernels == "auto" and (device.type != "cpu" or dtype != torch.bfloat16))):
         try:
