@@ -291,3 +291,29 @@ def test_converted_models_tokenize_like_llama_cpp(fixture):
 
 def test_llama_cpp_recordings_are_present():
     assert len(CONVERTED) >= 4, "tests/fixtures/gguf holds the llama.cpp recordings the test above compares with"
+
+
+def test_to_gguf_names_the_split_llama_cpp_applies_to_the_bundled_tokenizer(tmp_path):
+    """tools/to_gguf.py writes tokenizer.ggml.pre from tokenizer.json's split: the bundled
+    tokenizer's is byte-level (GPT-2's), and written as "default" (another split) the converted
+    file tokenized text differently (heldout.txt's first ids [201, 351, 201, 201, 5] against
+    [201, 351, 585, 5, 366]). Ids and logits now equal the checkpoint's."""
+    import sys
+
+    import torch
+
+    import expertcache
+    from expertcache.checkpoint.gguf_io import GGUFCheckpoint
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from to_gguf import convert
+
+    out = tmp_path / "tiny.gguf"
+    convert(expertcache.engine.default_model_path(), out)
+    with GGUFCheckpoint(out) as gg:
+        assert gg.metadata["tokenizer.ggml.pre"] == "gpt-2"
+    ref, conv = expertcache.load(), expertcache.load(out)
+    text = (Path(expertcache.__file__).parent / "assets" / "heldout.txt").read_text()[:4000]
+    ids = ref.tokenizer.encode(text)
+    assert conv.tokenizer.encode(text) == ids
+    assert torch.equal(conv.logits(ids[:48]), ref.logits(ids[:48]))

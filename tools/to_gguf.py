@@ -2,7 +2,6 @@
 file for llama.cpp, so `expertcache bench speed --vs-llamacpp` runs both engines on the same
 weights.
 
-    pip install gguf
     python tools/to_gguf.py -m /tmp/q30 -o /tmp/q30.gguf
 
 llama.cpp's own converter (convert_hf_to_gguf.py) refuses tokenizers it does not recognise, such
@@ -23,6 +22,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from expertcache.models.loader import open_model  # noqa: E402
+
+
+def pre_tokenizer(tok: dict) -> str:
+    """tokenizer.ggml.pre for tokenizer.json's split: llama.cpp splits text before BPE by the
+    regexes that name stands for (`gguf_tokenizer.PRE_TOKENIZERS`); with another name its ids
+    differ from tokenizer.json's ("default" split the bundled tokenizer's text otherwise)."""
+    from expertcache.gguf_tokenizer import PRE_TOKENIZERS
+
+    steps = tok.get("pre_tokenizer") or {}
+    steps = steps.get("pretokenizers", [steps]) if steps.get("type") == "Sequence" else [steps]
+    regexes = [s["pattern"]["Regex"] for s in steps if s.get("type") == "Split" and "Regex" in s.get("pattern", {})]
+    if any(s.get("type") == "ByteLevel" and s.get("use_regex", True) for s in steps):
+        regexes.append(PRE_TOKENIZERS["gpt-2"][0][0])  # ByteLevel's own split is GPT-2's
+    for name, (want, _, _) in PRE_TOKENIZERS.items():
+        if name != "default" and want == regexes:
+            return name
+    raise SystemExit(f"to_gguf: tokenizer.json splits text by {regexes!r}, which no tokenizer.ggml.pre of "
+                     "llama.cpp's names; expected a byte-level (GPT-2) split")
 
 
 def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, object]:
@@ -70,7 +87,7 @@ def convert(model_dir: Path, out: Path) -> None:
             tokens[i] = text
             types[i] = gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre_tokenizer(tok))
     w.add_token_list(tokens)
     w.add_token_types(types)
     merges = tok["model"].get("merges") or []
