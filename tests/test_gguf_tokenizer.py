@@ -317,3 +317,14 @@ def test_to_gguf_names_the_split_llama_cpp_applies_to_the_bundled_tokenizer(tmp_
     ids = ref.tokenizer.encode(text)
     assert conv.tokenizer.encode(text) == ids
     assert torch.equal(conv.logits(ids[:48]), ref.logits(ids[:48]))
+
+
+def test_a_gguf_without_a_chat_template_names_its_metadata_key(capsys):
+    """A chat on a GGUF without `tokenizer.chat_template`: one line naming that key (it named
+    tokenizer_config.json, a file a GGUF model does not have) and the way out, --tokenizer."""
+    from conftest import assert_one_line_error, run_cli
+
+    gg = Path(__file__).parent / "fixtures" / "gguf" / "gemma4" / "gemma4-Q8_0.gguf"
+    code, err = run_cli(capsys, "run", "-m", str(gg), "--chat", "-n", "2")
+    assert_one_line_error(code, err, "tokenizer.chat_template", "--tokenizer DIR")
+    assert "tokenizer_config.json" not in err

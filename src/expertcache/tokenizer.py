@@ -54,6 +54,7 @@ class Tokenizer:
         jinja_path = d / "chat_template.jinja"
         if jinja_path.exists():
             cfg = {**cfg, "chat_template": jinja_path.read_text(encoding="utf-8")}
+        self.template_home = "tokenizer_config.json's chat_template or chat_template.jinja"
         self._configure(cfg)
 
     @classmethod
@@ -62,6 +63,7 @@ class Tokenizer:
         (bos_token, eos_token, add_bos_token, chat_template), as a GGUF file provides them."""
         self = cls.__new__(cls)
         self.tok = tok
+        self.template_home = "the GGUF metadata key tokenizer.chat_template"
         self._configure(cfg)
         return self
 
@@ -120,14 +122,18 @@ class Tokenizer:
             return self.tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def check_chat_template(self) -> None:
+        """Raises, naming where a template would be, when this tokenizer has none."""
+        if not self.chat_template:
+            raise ExpertCacheError(f"this model has no chat template ({self.template_home}); a tokenizer "
+                                   "directory with one can stand in (--tokenizer DIR)")
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         """The chat template applied as transformers' apply_chat_template(tokenize=False) applies it:
         keys whose value is None dropped from each message, reasoning under `thinking` or `reasoning`
         also given as `reasoning_content`, `tools` and `documents` None, the special tokens by name;
         `extra` (enable_thinking, tools, ...) passed to the template as well."""
-        if not self.chat_template:
-            raise ExpertCacheError("this model has no chat template (tokenizer_config.json chat_template "
-                                   "or chat_template.jinja)")
+        self.check_chat_template()
         if self._compiled is None:
             self._compiled = _compile(self.chat_template)
         values = {"tools": None, "documents": None, **self._template_tokens,

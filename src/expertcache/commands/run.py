@@ -75,6 +75,7 @@ def _result_json(model, res) -> dict:
 
 
 def _chat_loop(model, gen, args) -> int:
+    model.tokenizer.check_chat_template()  # said before the user types, not after
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
