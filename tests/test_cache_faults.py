@@ -200,7 +200,9 @@ def test_copies_failing_anywhere_leave_no_slot_claiming_an_expert(reference, mon
     assert fired >= 8  # most cases reached their failure (which thread copies what varies with timing)
 
 
-def test_a_model_dropped_while_its_worker_reads_frees_its_cache_and_thread(monkeypatch):
+def _worker_held_in_a_read(n: int):
+    """A model whose copy worker is held inside the read of a prefetch of `n` absent experts of
+    the first MoE layer until `go` is set: (model, cache, go)."""
     model = _load(experts=12, store="disk", prefetch_width=2.0)
     model.logits(IDS[:3])
     cache = model.experts
@@ -213,8 +215,13 @@ def test_a_model_dropped_while_its_worker_reads_frees_its_cache_and_thread(monke
 
     cache.store.read_hook = hold
     layer = cache.moe_layers[0]
-    cache.prefetch(layer, [e for e in range(cache.num_experts) if not cache.residency.is_resident(ExpertKey(layer, e))][:3])
+    cache.prefetch(layer, [e for e in range(cache.num_experts) if not cache.residency.is_resident(ExpertKey(layer, e))][:n])
     assert reading.wait(30)
+    return model, cache, go
+
+
+def test_a_model_dropped_while_its_worker_reads_frees_its_cache_and_thread(monkeypatch):
+    model, cache, go = _worker_held_in_a_read(3)
     thread, ref = cache._worker.thread, weakref.ref(cache)
     del model, cache
     go.set()
@@ -236,21 +243,7 @@ def test_a_process_forked_while_its_worker_reads_recovers_in_the_child(reference
     import signal
     import traceback
 
-    model = _load(experts=12, store="disk", prefetch_width=2.0)
-    model.logits(IDS[:3])
-    cache = model.experts
-    reading, go = threading.Event(), threading.Event()
-
-    def hold(_n):
-        if threading.current_thread().name == COPY_THREAD:
-            reading.set()
-            assert go.wait(30)
-
-    cache.store.read_hook = hold
-    layer = cache.moe_layers[0]
-    absent = [e for e in range(cache.num_experts) if not cache.residency.is_resident(ExpertKey(layer, e))]
-    cache.prefetch(layer, absent[:2])
-    assert reading.wait(30)
+    model, cache, go = _worker_held_in_a_read(2)
     cache.prefetch(cache.moe_layers[1], list(range(2)))  # queued behind the running job
     pid = os.fork()
     if pid == 0:  # the child: no pytest from here on, only an exit code

@@ -13,10 +13,9 @@ import torch
 from gguf import GGUFReader, GGUFValueType as VT
 
 import expertcache
-from conftest import assert_one_line_error, run_cli
-from expertcache.errors import ExpertCacheError
 from gguf_blocks import rewrite_gguf
 from test_gguf_model import PROMPT, reference
+from test_load_errors import _info_fails
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
 MIX = FIXTURES / "qwen3_moe-mix.gguf"
@@ -32,15 +31,6 @@ def _u32(v):
 
 def _s(v):
     return v, VT.STRING, None
-
-
-def _fails(capsys, path: Path, *needles: str) -> None:
-    """`info` on `path` is a one-line error holding `needles`, and `load` raises it."""
-    code, err = run_cli(capsys, "info", "-m", str(path))
-    assert_one_line_error(code, err, *needles)
-    with pytest.raises(ExpertCacheError) as e:
-        expertcache.load(path)
-    assert "\n" not in str(e.value) and all(n in str(e.value) for n in needles), str(e.value)
 
 
 @pytest.mark.parametrize("kv", [
@@ -100,7 +90,7 @@ GEMMA4 = FIXTURES / "gemma4" / "gemma4-Q8_0.gguf"
         "weights-scale", "gemma4-linear"])
 def test_metadata_that_would_change_the_math_is_refused_in_one_line(tmp_path, capsys, src, kv, needle):
     # Each was ignored: the file loaded and computed another model than llama.cpp's.
-    _fails(capsys, rewrite_gguf(src, tmp_path / "m.gguf", kv), "m.gguf", needle)
+    _info_fails(capsys, rewrite_gguf(src, tmp_path / "m.gguf", kv), "m.gguf", needle)
 
 
 def test_a_vocabulary_that_disagrees_with_the_embedding_is_refused(tmp_path, capsys):
@@ -113,7 +103,7 @@ def test_a_vocabulary_that_disagrees_with_the_embedding_is_refused(tmp_path, cap
         extra = [f"[X{i}]" for i in range(max(n - len(tokens), 0))]
         kv = {"tokenizer.ggml.tokens": ((tokens + extra)[:n], VT.ARRAY, VT.STRING),
               "tokenizer.ggml.token_type": ((types + [1] * len(extra))[:n], VT.ARRAY, VT.INT32)}
-        _fails(capsys, rewrite_gguf(MIX, tmp_path / f"m{n}.gguf", kv), f"m{n}.gguf",
+        _info_fails(capsys, rewrite_gguf(MIX, tmp_path / f"m{n}.gguf", kv), f"m{n}.gguf",
                f"tokenizer.ggml.tokens holds {n} tokens but tensor 'token_embd.weight' has 4096 rows")
 
 
@@ -144,7 +134,7 @@ def test_per_expert_tensors_of_old_files_are_named_as_such(tmp_path, capsys):
             for e in range(data.shape[0]):
                 tensors[f"blk.{t.name.split('.')[1]}.ffn_{part}.{e}.weight"] = (data[e], t.tensor_type)
     path = rewrite_gguf(src, tmp_path / "m.gguf", tensors=tensors)
-    _fails(capsys, path, "m.gguf", "missing tensor 'blk.0.ffn_gate_exps.weight'",
+    _info_fails(capsys, path, "m.gguf", "missing tensor 'blk.0.ffn_gate_exps.weight'",
            "one tensor per expert ('blk.0.ffn_gate.0.weight'")
 
 
@@ -161,4 +151,4 @@ QWEN35 = FIXTURES / "qwen3_5_moe" / "qwen3_5_moe-Q8_0.gguf"
     (GEMMA4, "gemma4.rope.freq_base_swa"), (GEMMA4, "gemma4.final_logit_softcapping"),
 ], ids=lambda v: v if isinstance(v, str) else v.stem)
 def test_a_family_key_holding_text_is_named(tmp_path, capsys, src, key):
-    _fails(capsys, rewrite_gguf(src, tmp_path / "m.gguf", {key: _s("4")}), "m.gguf", f"{key} '4': expected a number")
+    _info_fails(capsys, rewrite_gguf(src, tmp_path / "m.gguf", {key: _s("4")}), "m.gguf", f"{key} '4': expected a number")
