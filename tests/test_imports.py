@@ -22,7 +22,7 @@ LEVELS = [
     ("models",),
     ("tokenizer", "gguf_tokenizer", "sampling"),
     ("engine",),
-    ("perplexity", "flags"),
+    ("perplexity", "flags", "plots"),
     ("bench", "server", "commands"),
     ("cli", "__init__", "__main__"),
 ]
