@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -448,3 +449,40 @@ def test_synth_q4_k_m_of_narrow_rows_takes_llama_cpps_fallback_types(capsys, tmp
     assert types["blk.0.ffn_up_exps.weight"] == "Q5_0" and types["output.weight"] == "Q8_0"
     model = expertcache.load(out)
     assert len(model.generate([1, 2, 3], max_tokens=2, ignore_eos=True).token_ids) == 2
+
+
+def test_a_write_removes_the_partial_outputs_a_killed_write_left(tmp_path, capsys):
+    """A write killed where no handler runs (SIGKILL, the OOM killer) leaves `.NAME.partial-PID`
+    (gigabytes, for synth). The next write of NAME removes those whose process is gone and that
+    nothing wrote to for STALE_PARTIAL_SECONDS, and says so; it keeps one of a running process, a
+    recent one (maybe another machine's write on a shared file system), other names' and
+    `.old-PID` (which may hold the only copy of an earlier output)."""
+    import os
+    import subprocess
+
+    from expertcache.checkpoint.writer import STALE_PARTIAL_SECONDS, atomic_file, atomic_output_dir
+
+    dead = [subprocess.Popen([sys.executable, "-c", ""]) for _ in range(2)]
+    for p in dead:
+        p.wait()
+    old = time.time() - STALE_PARTIAL_SECONDS - 60
+    stale_file, stale_dir = tmp_path / f".m.gguf.partial-{dead[0].pid}", tmp_path / f".d.partial-{dead[1].pid}"
+    stale_file.write_bytes(b"half")
+    stale_dir.mkdir()
+    (stale_dir / "model.safetensors").write_bytes(b"half")
+    keep = [tmp_path / f".m.gguf.partial-{os.getppid()}", tmp_path / f".m.gguf.partial-{dead[1].pid}",
+            tmp_path / f".other.partial-{dead[0].pid}", tmp_path / f".d.old-{dead[0].pid}"]
+    for p in keep:
+        p.write_bytes(b"x")
+    for p in [stale_file, stale_dir, *keep]:
+        os.utime(p, (old, old))
+    os.utime(keep[1], None)  # written to just now
+    with atomic_file(tmp_path / "m.gguf") as tmp:
+        tmp.write_bytes(b"new")
+    with atomic_output_dir(tmp_path / "d") as tmp:
+        (tmp / "w.bin").write_bytes(b"new")
+    assert not stale_file.exists() and not stale_dir.exists()
+    assert all(p.exists() for p in keep)
+    assert (tmp_path / "m.gguf").read_bytes() == b"new" and (tmp_path / "d" / "w.bin").read_bytes() == b"new"
+    err = capsys.readouterr().err
+    assert str(dead[0].pid) in err and str(dead[1].pid) in err and err.count("\n") == 2

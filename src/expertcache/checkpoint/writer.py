@@ -10,7 +10,9 @@ import os
 import shutil
 import signal
 import struct
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,12 +178,48 @@ def _signals_end_cleanly() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+# A partial output older than this whose process is gone was left by a kill no handler sees
+# (SIGKILL, the OOM killer, a power cut); younger, it may be another machine's write in progress
+# on a shared file system, where a PID says nothing.
+STALE_PARTIAL_SECONDS = 600
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """Removes `.NAME.partial-PID` files and directories beside `out` that an earlier write of
+    `out` left (its process no longer runs here, nothing written to it for STALE_PARTIAL_SECONDS),
+    saying so on stderr: a killed `synth` left gigabytes under a hidden name."""
+    prefix = f".{out.name}.partial-"
+    try:
+        entries = list(out.parent.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        pid = p.name.removeprefix(prefix)
+        if not p.name.startswith(prefix) or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # that process runs (or runs as someone else: PermissionError below)
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue
+        try:
+            if time.time() - p.stat().st_mtime < STALE_PARTIAL_SECONDS:
+                continue
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        except OSError:
+            continue
+        print(f"expertcache: removed {str(p)!r}, a partial output that process {pid} left", file=sys.stderr)
+
+
 @contextlib.contextmanager
 def atomic_file(out: Path) -> Iterator[Path]:
     """A temporary path beside `out` to write; it becomes `out` only when the block completes, so a
     failed or interrupted write (an error, Ctrl-C, SIGTERM) leaves no partial file and whatever was
     at `out` before."""
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    _remove_stale_partials(out)
     with _signals_end_cleanly():
         try:
             yield tmp
@@ -213,6 +251,7 @@ def atomic_output_dir(out: Path, force: bool = False, sources: tuple[Path, ...] 
     full = check_output(out, force, sources)
     tmp = full.parent / f".{full.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    _remove_stale_partials(full)
     with _signals_end_cleanly():
         tmp.mkdir()
         try:
