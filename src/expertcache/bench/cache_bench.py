@@ -323,7 +323,7 @@ def figure(rows: list[dict], title: str, threads: int):
         for i, store in enumerate(stores):
             # Stores often tie (hit rates do not depend on the store): each its own marker, drawn
             # smaller in turn, so that a line over another still shows both.
-            color, marker, size = f"C{i}", "osD"[i % 3], 9 - 2 * (i % 3)
+            color, marker, size = f"C{i}", "osD"[i % 3], (10, 6, 3.5)[i % 3]
             lines: dict[str, list[dict]] = {}
             for r in rows:
                 if r["store"] != store:
