@@ -258,16 +258,17 @@ def test_a_process_forked_while_its_worker_reads_recovers_in_the_child(reference
         finally:
             os._exit(code)
     go.set()
-    deadline = time.monotonic() + 20
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung")
-        time.sleep(0.05)
+    # The child's exit is waited for on a thread, so that a hung child fails the test (killed at
+    # the deadline) instead of hanging it.
+    statuses = []
+    waiter = threading.Thread(target=lambda: statuses.append(os.waitpid(pid, 0)[1]), daemon=True)
+    waiter.start()
+    waiter.join(120)
+    if waiter.is_alive():
+        os.kill(pid, signal.SIGKILL)
+        waiter.join()
+        pytest.fail("the forked child hung")
+    (status,) = statuses
     assert os.waitstatus_to_exitcode(status) == 0
     cache.store.read_hook = None
     _recovers(model, reference)
