@@ -278,7 +278,6 @@ class ExpertCache:
                 # stream while this runs; on a CPU this thread made them.
                 work_meanwhile()
                 yield from self._compute(layer, wave)
-            work_meanwhile()  # an op of no waves (none has any today) still does the caller's work
         finally:
             self._op_reads = _NOTHING
             if outstanding is not None:
