@@ -272,3 +272,38 @@ def test_a_process_forked_while_its_worker_reads_recovers_in_the_child(reference
     assert os.waitstatus_to_exitcode(status) == 0
     cache.store.read_hook = None
     _recovers(model, reference)
+
+
+@pytest.mark.parametrize("store", ["ram", "disk"])
+def test_an_op_whose_copy_fails_is_counted_with_the_copies_it_made(reference, store):
+    # 5 slots: a 10-token prompt's ops run in waves of 5, so the failing op has completed a wave
+    # before its failure. The telemetry counts that op (its plan's hits, misses and evictions
+    # happened) and the copies of its completed waves.
+    model = expertcache.load(cache=CacheConfig(mode="cache", experts=5, store=store, prefetch="off"))
+    cache = model.experts
+    copy_run, copied, ops = cache.store.copy_run, [0], [0]
+    plan = cache.residency.plan
+
+    def counting_plan(layer, experts):
+        ops[0] += 1
+        return plan(layer, experts)
+
+    def failing(layer, first, dst, non_blocking=False):
+        if copied[0] >= 7:
+            raise CopyError("injected copy failure")
+        copy_run(layer, first, dst, non_blocking)
+        copied[0] += dst.shape[0]
+
+    cache.residency.plan = counting_plan
+    cache.store.copy_run = failing
+    with pytest.raises(CopyError):
+        model.logits(INPUTS[0])
+    total = model.telemetry()["total"]
+    assert total["ops_seen"] == ops[0] >= 1
+    # The first wave's 5 copies (a cold cache of 5 slots) completed and count; the second wave's
+    # 2 before the failure are rolled back with it (their experts are not in the cache).
+    assert copied[0] == 7 and total["copied_experts"] == 5
+    assert total["copied_bytes"] == 5 * model.telemetry()["expert_bytes"]
+    assert total["resident_hits"] + total["resident_misses"] == total["used_experts_unique"]
+    cache.store.copy_run = copy_run
+    _recovers(model, reference)

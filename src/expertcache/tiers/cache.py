@@ -286,9 +286,11 @@ class ExpertCache:
             # remaining copies had never been planned: their slots are not marked resident.
             if done < len(plan.waves):
                 self._unplan(layer, plan.waves[done:])
-        self.telemetry_.op(layer, len(experts), plan.loaded_before, len(plan.hits), copied, ranges,
-                           len(plan.evicted), len(plan.waves), prefetch_used=len(plan.prefetched),
-                           wasted=plan.wasted)
+            # Counted whether or not the op got through: its plan evicted and used prefetches,
+            # and the copies it made moved bytes, even where a later copy failed.
+            self.telemetry_.op(layer, len(experts), plan.loaded_before, len(plan.hits), copied, ranges,
+                               len(plan.evicted), len(plan.waves), prefetch_used=len(plan.prefetched),
+                               wasted=plan.wasted)
 
     def _compute(self, layer: int, wave) -> Iterator[list[tuple[int, ExpertWeights]]]:
         """Hand a wave (or part of one) whose copies are done to the caller."""
