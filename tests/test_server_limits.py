@@ -197,6 +197,7 @@ BAD_COMPLETIONS = [
     ({"n": 10**50}, "n"),
     ({"logprobs": {"a": 1}}, "logprobs"),
     ({"stream_options": [1]}, "stream_options"),
+    ({"stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
     ({"n": True}, "n"),  # True == 1 in Python: a boolean is not the supported value
     ({"echo": 0}, "echo"),
     ({"presence_penalty": "0.5"}, "presence_penalty"),  # accepted and ignored, but typed

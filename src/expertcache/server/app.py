@@ -128,6 +128,8 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):
             raise P.ApiError("'stream_options' must be an object", param="stream_options")
+        if opts is not None and not stream:  # as OpenAI and vLLM: it would be silently ignored
+            raise P.ApiError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
         return gen, stream, P.get_bool(opts or {}, "include_usage", False)
 
     async def _generate(request: Request, body: dict, ids: list[int], gen: dict, stream: bool,
