@@ -195,7 +195,7 @@ def test_fuzz_requests(ckpt, caplog):
 
 CLI_FLAGS = {
     "--temp": ["nan", "inf", "-1", "1e400", "abc", "1e-300", "-nan", "0x10"],
-    "--top-p": ["0", "nan", "1.5", "-inf", "1e-320"],
+    "--top-p": ["-0.1", "nan", "1.5", "-inf", "-1e-320"],
     "--min-p": ["nan", "2", "-0.1"],
     "--top-k": ["-1", "1.5", str(2**70)],
     "--seed": [str(2**64), str(-(2**63) - 1), "1e3", "0x1", "9" * 50],

@@ -106,8 +106,17 @@ def test_chat_uses_template(model):
     assert res.token_ids == model.generate(ids, max_tokens=4, ignore_eos=True).token_ids
 
 
+def test_top_p_zero_keeps_the_likeliest_token_alone(model):
+    greedy = model.generate(PROMPT, max_tokens=12, ignore_eos=True).token_ids
+    for seed in (1, 2):
+        got = model.generate(PROMPT, max_tokens=12, temperature=2.0, top_p=0.0, seed=seed, ignore_eos=True)
+        assert got.token_ids == greedy
+    # Without it, that temperature strays from the greedy tokens (the test above means something).
+    assert model.generate(PROMPT, max_tokens=12, temperature=2.0, seed=1, ignore_eos=True).token_ids != greedy
+
+
 def test_bad_sampling_values(model):
-    for kwargs in ({"temperature": -1}, {"top_p": 0}, {"min_p": 2}, {"top_k": -1}, {"max_tokens": -1}):
+    for kwargs in ({"temperature": -1}, {"top_p": -0.1}, {"top_p": 1.01}, {"min_p": 2}, {"top_k": -1}, {"max_tokens": -1}):
         with pytest.raises(ExpertCacheError):
             model.generate(PROMPT, **kwargs)
 

@@ -410,7 +410,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "max_tokens": 10**12}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "max_tokens": "8"}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "temperature": "hot"}, 400, "temperature"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "top_p": -0.5}, 400, "top_p"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "n": 2}, 400, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "stream": "yes"}, 400, "stream"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1 " * (CTX + 10)}]}, 400, "messages"),

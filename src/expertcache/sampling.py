@@ -38,8 +38,8 @@ class SamplingParams:
             raise ExpertCacheError(f"temperature {self.temperature} must be a finite number >= 0")
         if self.top_k < 0:
             raise ExpertCacheError(f"top_k {self.top_k} must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ExpertCacheError(f"top_p {self.top_p} must be in (0, 1]")
+        if not 0 <= self.top_p <= 1:
+            raise ExpertCacheError(f"top_p {self.top_p} must be in [0, 1]")
         if not 0 <= self.min_p <= 1:
             raise ExpertCacheError(f"min_p {self.min_p} must be in [0, 1]")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
@@ -70,8 +70,10 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         if p.top_p < 1.0:
             sorted_p, idx = torch.sort(probs, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+            # Keep the smallest prefix whose mass reaches top_p, and always the most probable
+            # token: top_p 0 keeps it alone, as OpenAI and llama.cpp read it.
             drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
+            drop[0] = False
             probs = probs.scatter(0, idx[drop], 0.0)
         if p.min_p > 0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)

@@ -113,7 +113,7 @@ def add_sampling_flags(p: argparse.ArgumentParser, min_p: bool = True) -> None:
     p.add_argument("--temp", type=finite_float, default=0.0, help="temperature; 0 = greedy (default)")
     p.add_argument("--top-k", type=nonneg_int, default=0, help="sample from the K likeliest tokens; 0 = all (default)")
     p.add_argument("--top-p", type=finite_float, default=1.0,
-                   help="sample from the likeliest tokens whose probabilities sum to P (default: 1.0, all)")
+                   help="sample from the likeliest tokens whose probabilities sum to P; 0 = the likeliest alone (default: 1.0, all)")
     if min_p:
         p.add_argument("--min-p", type=finite_float, default=0.0,
                        help="drop tokens below P x the likeliest token's probability (default: 0, none)")

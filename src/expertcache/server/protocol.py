@@ -168,17 +168,17 @@ def get_int(body: dict, name: str, default=None, lo: int | None = INT64_MIN, hi:
     return v
 
 
-def get_number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+def get_number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
     v = body.get(name)
     if v is None:
         return default
-    interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
+    interval = f"[{lo}, {hi}]"
     if isinstance(v, LongInt):
         raise ApiError(f"'{name}' is {v!r}; it must be in {interval}", param=name)
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise ApiError(f"'{name}' must be a number, got {_type_name(v)} {_short(v)}", param=name)
     # Compared before any float(): an int beyond a float's range must not overflow here.
-    if (isinstance(v, float) and math.isnan(v)) or v < lo or (lo_open and v == lo) or v > hi:
+    if (isinstance(v, float) and math.isnan(v)) or v < lo or v > hi:
         raise ApiError(f"'{name}' is {v}; it must be in {interval}", param=name)
     return float(v)
 
@@ -334,7 +334,7 @@ def sampling(body: dict, ctx: int, chat: bool) -> dict:
     return {
         "max_tokens": get_int(body, name, None, lo=0, hi=ctx),
         "temperature": get_number(body, "temperature", 1.0, 0.0, 2.0),
-        "top_p": get_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        "top_p": get_number(body, "top_p", 1.0, 0.0, 1.0),
         "top_k": get_int(body, "top_k", 0, lo=0),
         "min_p": get_number(body, "min_p", 0.0, 0.0, 1.0),
         "seed": get_int(body, "seed", None, lo=SEED_MIN, hi=SEED_MAX),
