@@ -169,3 +169,15 @@ def test_serve_refuses_an_origin_that_is_not_one(capsys):
     assert_one_line_error(*run_cli(capsys, "serve", "--cors-origins", "localhost:3000"), "--cors-origins",
                           "'localhost:3000' is not an origin")
     assert_one_line_error(*run_cli(capsys, "serve", "--cors-origins", "http://a.example/chat"), "not an origin")
+
+
+def test_text_parts_are_joined_by_newlines_as_vllm_and_llama_server_join_them(client):
+    def chat(content):
+        return answer(client.post(CHAT, json={**base(CHAT), "messages": [{"role": "user", "content": content}]}))
+
+    parts = [{"type": "text", "text": "w5 w9"}, {"type": "text", "text": "w17"}]
+    assert chat(parts) == chat("w5 w9\nw17")
+    # The rendered prompts differ with the separator, so the answer says which one was used.
+    assert chat("w5 w9\nw17") != chat("w5 w9w17")
+    refused(client, CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content", code=None)

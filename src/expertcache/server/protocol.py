@@ -396,7 +396,7 @@ def chat_messages(body: dict) -> list[dict]:
                     raise ApiError(f"'{where}.content[{j}]' must be a text part {{\"type\": \"text\", \"text\": ...}}",
                                    param=f"{where}.content")
                 texts.append(part["text"])
-            content = "".join(texts)
+            content = "\n".join(texts)  # as vLLM and llama-server join them
         elif content is None and role == "assistant":
             content = ""
         elif not isinstance(content, str):
