@@ -329,14 +329,18 @@ def test_fit_used_refuses_what_memory_cannot_hold(tmp_path, capsys, monkeypatch)
     assert not (tmp_path / "u.safetensors").exists()
 
 
-def test_training_is_seeded_and_leaves_the_callers_random_state():
+def test_training_is_seeded_and_leaves_the_callers_random_state(monkeypatch):
     x = torch.randn(200, 6, generator=torch.Generator().manual_seed(0))
     target = (x[:, :4] > 0).float()
     torch.manual_seed(123)
     want = torch.rand(3)
     torch.manual_seed(123)
+    # A GPU's generators are not reseeded either (fork_rng restores only the CPU's here).
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", reseeded.append)
     first = _train_used(x, target, 8, 2, 1e-2, 50, torch.Generator().manual_seed(0), lambda: None)
     assert torch.equal(torch.rand(3), want)  # the global generator did not move
+    assert reseeded == []
     again = _train_used(x, target, 8, 2, 1e-2, 50, torch.Generator().manual_seed(0), lambda: None)
     other = _train_used(x, target, 8, 2, 1e-2, 50, torch.Generator().manual_seed(1), lambda: None)
     assert all(torch.equal(a, b) for a, b in zip(first, again))

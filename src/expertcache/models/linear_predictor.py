@@ -401,8 +401,10 @@ def _train_used(x: torch.Tensor, target: torch.Tensor, hidden: int, epochs: int,
     mu, sd = x.mean(0), x.std(0) + 1e-6  # [D]
     xn = (x - mu) / sd
     D, E = x.shape[1], target.shape[1]
-    with torch.random.fork_rng(devices=[]):  # the layers' initialisation, seeded, the caller's RNG untouched
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    # The layers' initialisation (made on the CPU), seeded, the caller's RNG untouched: only the
+    # CPU generator is reseeded (torch.manual_seed would reseed every GPU's too, beyond fork_rng).
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
         net = (torch.nn.Sequential(torch.nn.Linear(D, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, E))
                if hidden else torch.nn.Linear(D, E)).to(x.device)
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
