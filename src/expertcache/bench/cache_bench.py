@@ -65,7 +65,9 @@ def run_one(spec: dict) -> dict:
     prompt = torch.randint(0, model.cfg.vocab_size, (spec["prefill"],), generator=gen).tolist()
 
     # A GPU runs its kernels asynchronously: time up to the end of the work, not its launch.
-    sync = torch.cuda.synchronize if model.net.device.type == "cuda" else (lambda: None)
+    # The model's device, not the current one (device 0 unless set): a model on cuda:1 is timed there.
+    device = model.net.device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def phase(fn):
         before = model.telemetry()
