@@ -286,6 +286,12 @@ class ExpertCache:
             # remaining copies had never been planned: their slots are not marked resident.
             if done < len(plan.waves):
                 self._unplan(layer, plan.waves[done:])
+                if self._pending:
+                    # A prefetched hit whose wave never took its copy over keeps an entry for a slot
+                    # a later wave refilled (`_op_reads`); left, a prefetch putting the expert back
+                    # there would replace it, and the copy, still queued, would write that slot
+                    # after it was given to another expert.
+                    self._sync_pending()
             # Counted whether or not the op got through: its plan evicted and used prefetches,
             # and the copies it made moved bytes, even where a later copy failed.
             self.telemetry_.op(layer, len(experts), plan.loaded_before, len(plan.hits), copied, ranges,
@@ -336,6 +342,8 @@ class ExpertCache:
     def _wait_job(self, job: CopyJob, queued: bool) -> None:
         """`queued`: wait for the worker to make the job (the caller moved it to the front of the
         queue); else take it over if it has not started."""
+        if self._worker is None:  # a forked child before it starts a worker: every job ended at the fork
+            return
         if queued:
             job.done.wait()
         else:

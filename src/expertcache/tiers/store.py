@@ -240,6 +240,7 @@ class DiskStore(ExpertStore):
         self.device = torch.device(device)  # where the slots are: elsewhere than the host, reads bounce
         self._fds = {p: os.open(p, os.O_RDONLY) for p in source.files}
         self._direct_fds = self._open_direct() if self.drop_cache and self.direct else {}
+        self._refused_fds: list[int] = []  # direct descriptors a device refused, closed with the store
         self._pages: bool | None = None  # `reads_direct`'s layout check, made once
         self.reads = 0
         self.direct_reads = 0  # of `reads`, those made with O_DIRECT
@@ -304,7 +305,12 @@ class DiskStore(ExpertStore):
             if direct is None or e.errno != errno.EINVAL:
                 raise CopyError(f"{seg.file}: cannot read {want} bytes at byte {seg.offset}: {e.strerror}") from None
             # The device asks for a coarser alignment than DIRECT_ALIGN: buffered reads from now on.
-            os.close(self._direct_fds.pop(seg.file))
+            # The op's thread and the copy worker read at once: the other may be about to read with
+            # this descriptor, or have dropped it already, so it stays open until the store closes
+            # (closed now, its number could name another file by the time the other reads).
+            refused = self._direct_fds.pop(seg.file, None)
+            if refused is not None:
+                self._refused_fds.append(refused)
             return self._read(seg, targets)
         self.reads += 1
         self.direct_reads += direct is not None
@@ -377,10 +383,11 @@ class DiskStore(ExpertStore):
             self._check(path)
 
     def close(self) -> None:
-        for fd in (*self._fds.values(), *self._direct_fds.values()):
+        for fd in (*self._fds.values(), *self._direct_fds.values(), *self._refused_fds):
             os.close(fd)
         self._fds.clear()
         self._direct_fds.clear()
+        self._refused_fds.clear()
 
 
 class MmapStore(DiskStore):
