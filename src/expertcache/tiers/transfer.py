@@ -25,6 +25,11 @@ import torch
 class Transfers:
     def __init__(self, device: torch.device, capacity: int):
         self.cuda = device.type == "cuda"
+        # Compute runs on the current stream of the model's device: named with its index, since
+        # torch's current stream without one is the current device's (device 0 unless set).
+        if self.cuda and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         # Demand copies at a higher priority than prefetch copies (lower number, higher priority).
         self.stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self.prefetch_stream = torch.cuda.Stream(device, priority=0) if self.cuda else None
@@ -63,31 +68,35 @@ class Transfers:
                 if ev is not None and id(ev) not in waited:
                     self.prefetch_stream.wait_event(ev)
                     waited.add(id(ev))
-            do_copy(True)
-            done = torch.cuda.Event()
-            done.record(self.prefetch_stream)
-        for s in slots:
-            self.last_prefetch[s] = done
+            try:
+                do_copy(True)
+            finally:
+                # Also after a failure part-way: the copies already queued still write the slots,
+                # and a later copy into them must wait for those.
+                done = torch.cuda.Event()
+                done.record(self.prefetch_stream)
+                for s in slots:
+                    self.last_prefetch[s] = done
         return done
 
     def wait_prefetched(self, event) -> None:
         """Make compute wait for a prefetch job's copies (nothing on a CPU)."""
         if self.cuda and event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def before_compute(self) -> None:
         """Make the compute stream wait for the copies issued since the last call, if any."""
         if self._pending:
             done = torch.cuda.Event()
             done.record(self.stream)
-            torch.cuda.current_stream().wait_event(done)
+            torch.cuda.current_stream(self.device).wait_event(done)
             self._pending = False
 
     def after_compute(self, slots: list[int]) -> None:
         """Record that the kernels queued so far are the last readers of `slots`."""
         if self.cuda:
             ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream())
+            ev.record(torch.cuda.current_stream(self.device))
             for s in slots:
                 self.last_reader[s] = ev
 
@@ -95,7 +104,7 @@ class Transfers:
         if self.cuda:
             self.stream.synchronize()
             self.prefetch_stream.synchronize()
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
 
 
 # ---- prefetch copies ---------------------------------------------------------------------------
