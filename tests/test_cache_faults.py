@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import random
+import signal
 import sys
 import threading
 import time
+import traceback
 import weakref
 
 import pytest
@@ -234,32 +237,23 @@ def test_a_model_dropped_while_its_worker_reads_frees_its_cache_and_thread(monke
     assert not thread.is_alive() and ref() is None
 
 
-def test_a_process_forked_while_its_worker_reads_recovers_in_the_child(reference):
-    """A fork while the copy worker reads (one prefetch running, one queued): the child has no
-    worker thread, and its copies of the two jobs never end. Its cache takes them as failed
-    copies (the rollback drops their experts; an op copies them on demand), starts a worker of its
-    own, and gives the all-resident logits bitwise; the parent goes on as if nothing happened."""
-    import os
-    import signal
-    import traceback
-
-    model, cache, go = _worker_held_in_a_read(2)
-    cache.prefetch(cache.moe_layers[1], list(range(2)))  # queued behind the running job
+def _forked_child_recovers(model, reference, in_child=lambda: None, in_parent=lambda: None) -> None:
+    """Fork: the child (after `in_child`) gives the all-resident logits bitwise and its slots hold
+    what they claim; the parent runs `in_parent` meanwhile. The child's exit is waited for on a
+    thread, so that a hung child fails the test (killed at the deadline) instead of hanging it."""
     pid = os.fork()
     if pid == 0:  # the child: no pytest from here on, only an exit code
         code = 1
         try:
-            cache.store.read_hook = None
+            in_child()
             code = 0 if all(torch.equal(model.logits(x), want) for x, want in zip(INPUTS, reference)) else 3
-            slots_hold_what_they_claim(cache)
+            slots_hold_what_they_claim(model.experts)
         except BaseException:
             traceback.print_exc()
             code = 4
         finally:
             os._exit(code)
-    go.set()
-    # The child's exit is waited for on a thread, so that a hung child fails the test (killed at
-    # the deadline) instead of hanging it.
+    in_parent()
     statuses = []
     waiter = threading.Thread(target=lambda: statuses.append(os.waitpid(pid, 0)[1]), daemon=True)
     waiter.start()
@@ -270,6 +264,20 @@ def test_a_process_forked_while_its_worker_reads_recovers_in_the_child(reference
         pytest.fail("the forked child hung")
     (status,) = statuses
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_process_forked_while_its_worker_reads_recovers_in_the_child(reference):
+    """A fork while the copy worker reads (one prefetch running, one queued): the child has no
+    worker thread, and its copies of the two jobs never end. Its cache takes them as failed
+    copies (the rollback drops their experts; an op copies them on demand), starts a worker of its
+    own, and gives the all-resident logits bitwise; the parent goes on as if nothing happened."""
+    model, cache, go = _worker_held_in_a_read(2)
+    cache.prefetch(cache.moe_layers[1], list(range(2)))  # queued behind the running job
+
+    def in_child() -> None:
+        cache.store.read_hook = None
+
+    _forked_child_recovers(model, reference, in_child, in_parent=go.set)
     cache.store.read_hook = None
     _recovers(model, reference)
 

@@ -9,10 +9,8 @@ from __future__ import annotations
 import errno
 import os
 import random
-import signal
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import pytest
@@ -28,7 +26,8 @@ from expertcache.tiers import store as storemod
 from expertcache.tiers.policy import ExpertKey
 from expertcache.tiers.transfer import COPY_THREAD, CopyWorker
 from conftest import slots_hold_what_they_claim
-from test_cache_faults import INPUTS, _hold_worker, _let_go, _load, _recovers, reference  # noqa: F401 (a fixture)
+from test_cache_faults import (INPUTS, _forked_child_recovers, _hold_worker, _let_go, _load, _recovers,  # noqa: F401
+                               reference)  # a fixture
 
 
 def test_a_wave_left_before_taking_over_its_prefetched_hit_leaves_no_copy_behind(reference, monkeypatch):
@@ -84,27 +83,7 @@ def test_a_forked_child_without_a_worker_takes_over_what_was_prefetched_before_t
     cache.prefetch(layer, [e for e in range(cache.num_experts) if not cache.residency.is_resident(ExpertKey(layer, e))])
     cache.quiesce()  # copied, not yet used
     assert cache._pending
-    pid = os.fork()
-    if pid == 0:  # the child: no pytest from here on, only an exit code
-        code = 1
-        try:
-            code = 0 if all(torch.equal(model.logits(x), want) for x, want in zip(INPUTS, reference)) else 3
-            slots_hold_what_they_claim(cache)
-        except BaseException:
-            traceback.print_exc()
-            code = 4
-        finally:
-            os._exit(code)
-    statuses = []
-    waiter = threading.Thread(target=lambda: statuses.append(os.waitpid(pid, 0)[1]), daemon=True)
-    waiter.start()
-    waiter.join(120)
-    if waiter.is_alive():
-        os.kill(pid, signal.SIGKILL)
-        waiter.join()
-        pytest.fail("the forked child hung")
-    (status,) = statuses
-    assert os.waitstatus_to_exitcode(status) == 0
+    _forked_child_recovers(model, reference)
     _recovers(model, reference)
 
 
