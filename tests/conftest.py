@@ -196,3 +196,32 @@ def assert_prompt_keys_not_repeated(model, ids: torch.Tensor, monkeypatch) -> No
     prompt_calls = [c for c in calls if c[2] > 1]
     assert prompt_calls and all(k < q for q, k, _ in prompt_calls), prompt_calls
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+class LiveServer:
+    """uvicorn serving `app` in a background thread on an ephemeral loopback port (`url`);
+    `stop()` ends it. `timeout`: how long starting and stopping may take."""
+
+    def __init__(self, app, timeout: float = 30.0):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        self.app, self.timeout = app, timeout
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(self.timeout)

@@ -9,9 +9,6 @@ import json
 
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("httpx")
-
 import expertcache
 from expertcache import CacheConfig
 from expertcache.server.app import create_app

@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
 
 import expertcache

@@ -323,7 +323,6 @@ def test_layer_types_default_and_pattern():
 
 def _serve_conversation(d, cache_prompt: bool, turns: list[list[str]]) -> list[tuple[str, dict]]:
     """Chat turns through the server (in-process): each reply text and its timings."""
-    pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
     from expertcache.server.app import create_app

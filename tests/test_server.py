@@ -16,17 +16,15 @@ import threading
 import time
 from types import SimpleNamespace
 
+import httpx
+import openai
 import pytest
-
-pytest.importorskip("fastapi")
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
-uvicorn = pytest.importorskip("uvicorn")
 
 import expertcache
 from expertcache import CacheConfig, cli
 from expertcache.server.app import create_app
 from expertcache.server.slots import Slot, choose_slot
+from conftest import LiveServer
 
 CTX = 384
 TIMEOUT = 30.0
@@ -52,25 +50,6 @@ def ckpt(tmp_path_factory):
 def ref(ckpt):
     """A model of its own for reference outputs: a served model belongs to its worker thread."""
     return expertcache.load(ckpt, ctx_size=CTX)
-
-
-class LiveServer:
-    """uvicorn in a background thread on an ephemeral loopback port."""
-
-    def __init__(self, app):
-        self.app = app
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(64)
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started, "the server did not start")
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(TIMEOUT)
 
 
 @pytest.fixture(scope="module")

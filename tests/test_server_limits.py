@@ -5,20 +5,17 @@ the event loop stays free while a large prompt is tokenized; and the CLI's one-l
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
+import httpx
 import pytest
 import torch
 
-pytest.importorskip("fastapi")
-httpx = pytest.importorskip("httpx")
-uvicorn = pytest.importorskip("uvicorn")
 from fastapi.testclient import TestClient
 
 import expertcache
-from conftest import assert_one_line_error, build_reference, run_cli, save_checkpoint, tiny_config
+from conftest import LiveServer, assert_one_line_error, build_reference, run_cli, save_checkpoint, tiny_config
 from expertcache.errors import ExpertCacheError
 from expertcache.sampling import Sampler, SamplingParams
 from expertcache.server.app import create_app
@@ -340,25 +337,6 @@ def test_listening_beyond_loopback_without_a_key_warns():
 
 
 # ---- the event loop stays free ----
-class LiveServer:
-    def __init__(self, app):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(16)
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 def test_health_answers_while_a_large_prompt_is_tokenized(ckpt):
     srv = LiveServer(create_app(expertcache.load(ckpt, ctx_size=CTX)))
     try:

@@ -15,11 +15,10 @@ import sys
 import threading
 import time
 
+import httpx
+import prometheus_client.parser as prometheus_parser
 import pytest
 
-pytest.importorskip("fastapi")
-httpx = pytest.importorskip("httpx")
-prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 CHROMEDRIVER = shutil.which("chromedriver")

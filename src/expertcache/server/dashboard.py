@@ -33,6 +33,7 @@ from .slots import Scheduler
 
 STATIC = Path(__file__).parent / "static"
 PING_S = 2.0  # a quiet stream still sends a comment line this often
+STOP_CHECK_S = 0.25  # how often an event stream between two looks checks for a shutdown
 
 
 class TokenCounter:
@@ -145,7 +146,13 @@ def add_dashboard(app: FastAPI, model, scheduler: Scheduler, *, model_id: str = 
                 elif quiet >= PING_S:
                     quiet = 0.0
                     yield b": ping\n\n"
-                await asyncio.sleep(interval)
+                # Slept in short steps: a stream asked for a long interval still ends as soon as
+                # the server begins shutting down, not when its interval is over.
+                waited = 0.0
+                while waited < interval and not scheduler.stopping.is_set():
+                    step = min(STOP_CHECK_S, interval - waited)
+                    await asyncio.sleep(step)
+                    waited += step
                 quiet += interval
 
         return StreamingResponse(events(), media_type="text/event-stream",

@@ -111,7 +111,9 @@ class ServerCollector(Collector):
         # Recurrent state (Qwen3.5's DeltaNet) and sliding-window rings (Gemma 4) cannot be cut
         # back to a prefix: sessions keep snapshots to restore from, bounded in number; their
         # memory shows here.
-        kept = [slot.session.kv for slot in self.scheduler.slots if slot.session is not None]
+        # Each slot's session is read once: the worker drops a failed request's session meanwhile.
+        sessions = [slot.session for slot in self.scheduler.slots]
+        kept = [session.kv for session in sessions if session is not None]
         yield GaugeMetricFamily(f"{PREFIX}_state_snapshots", "state snapshots the slots keep (recurrent state, sliding-window rings)",
                                 value=sum(len(getattr(kv, "snapshots", ())) for kv in kept))
         yield GaugeMetricFamily(f"{PREFIX}_state_snapshot_bytes", "bytes of the state snapshots the slots keep (recurrent state, sliding-window rings)",

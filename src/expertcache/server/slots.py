@@ -153,7 +153,13 @@ class Scheduler:
 
     def snapshot(self) -> Stats:
         with self._lock:
-            return Stats(**{k: getattr(self.stats, k) for k in Stats.__dataclass_fields__})
+            s = Stats(**{k: getattr(self.stats, k) for k in Stats.__dataclass_fields__})
+            # A queued job whose client left waits for nobody: the worker drops it unrun when it
+            # gets there, and until then it is not counted as waiting.
+            with self._queue.mutex:
+                queued = list(self._queue.queue)
+            s.deferred -= sum(1 for job in queued if job is not None and job.cancelled.is_set())
+            return s
 
     def _run(self) -> None:
         while True:
@@ -183,10 +189,6 @@ class Scheduler:
         slot = choose_slot(self.slots, job.ids, use_cache)
         self._tick += 1
         slot.last_used, job.slot = self._tick, slot.id
-        if slot.session is None:
-            slot.session = self.model.new_session()
-        if not use_cache:
-            slot.session.truncate(0)
 
         def on_text(piece: str) -> bool:
             if job.on_text is not None:
@@ -196,9 +198,17 @@ class Scheduler:
         # Asked between prefill micro-batches: a client that left stops its prompt there.
         extra = {"should_stop": job.cancelled.is_set}
         try:
+            # Made here, inside the try: a session that cannot be made (out of memory) fails this
+            # request only; raised outside, it ended the worker and no request was answered again.
+            if slot.session is None:
+                slot.session = self.model.new_session()
+            if not use_cache:
+                slot.session.truncate(0)
             res = self.model.generate(job.ids, session=slot.session, on_text=on_text, **job.gen, **extra)
         except Exception as e:  # noqa: BLE001 - reported to the waiting request; the worker keeps serving
-            slot.session.truncate(0)  # the KV state may be half-written
+            # Dropped, not truncated: its KV state may be half-written, and its buffers may be
+            # shaped for weights since replaced. The next request on the slot makes a new one.
+            slot.session = None
             with self._lock:
                 self.stats.requests += 1
                 self.stats.errors += 1
