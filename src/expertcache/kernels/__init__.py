@@ -19,9 +19,10 @@ integer blocks, as llama.cpp does (`--activations`, `ACTIVATIONS_CHOICES`). The 
   that fails, auto says so in one line and uses torch's;
 - sum in a different order than torch's (and rotary and attention are rounded once, in fp32,
   where torch rounds each op in bf16), so bf16 results differ from torch's kernels in the last
-  bits. Within one kernel choice results are still identical across cache modes, sizes,
-  policies and thread counts: each output element is one row's dot product, summed by one
-  thread in a fixed order.
+  bits. Within one kernel choice results are still identical across cache modes, sizes and
+  policies, and the native kernels' across thread counts too: each output element is one row's
+  dot product, summed by one thread in a fixed order. torch's products (oneDNN, MKL) may split a
+  sum by thread count, so a prompt's logits can change with `-t` (never with the cache).
 
 Only one-row work on the CPU takes the native paths (a decode step, the last row of a prompt),
 and products of up to `act8_rows` rows over quantized blocks (`gemm_act8`), and on AVX2 bf16
@@ -318,6 +319,36 @@ def _linear_in_fp32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) ->
     return out
 
 
+# oneDNN's switch is one for the whole process, and `_mv_without_onednn` turns it off for the
+# length of its product. Calls in several threads (models side by side, a server's requests) count
+# themselves here: the first turns it off, the last back to what the first found. Each saving and
+# restoring it alone left it off for good in most runs of two threads taking one-row products at
+# once (A saves on, turns off; B saves off; A restores on; B restores off), and every later bf16
+# product of the process then took another kernel, with other bits (tests/test_kernel_determinism.py).
+_onednn_lock = threading.Lock()
+_onednn_off = 0        # one-row products in flight with oneDNN turned off
+_onednn_was = True     # the switch as the first of them found it
+
+
+def _mv_without_onednn(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """torch.mv(w, v) on the plain BLAS path (oneDNN off for the call; see `Kernels.linear`).
+    torch.backends.mkldnn.flags() does the same but costs ~10 us and warns on every call. While
+    it runs, another thread's bf16 products find oneDNN off too: the switch has no per-thread form."""
+    global _onednn_off, _onednn_was
+    with _onednn_lock:
+        if _onednn_off == 0:
+            _onednn_was = torch._C._get_mkldnn_enabled()
+            torch._C._set_mkldnn_enabled(False)
+        _onednn_off += 1
+    try:
+        return torch.mv(w, v)
+    finally:
+        with _onednn_lock:
+            _onednn_off -= 1
+            if _onednn_off == 0:
+                torch._C._set_mkldnn_enabled(_onednn_was)
+
+
 class Kernels:
     """The operations whose implementation a model's kernel choice decides. `native` is the
     compiled module behind them, or None."""
@@ -424,13 +455,7 @@ class Kernels:
         if isinstance(w, (QuantTensor, RowParts)):
             return self.linear_blocks(x, w, b)
         if x.shape[0] == 1 and x.dtype in _REDUCED and x.device.type == "cpu":
-            # torch.backends.mkldnn.flags() does the same but costs ~10 us and warns on every call.
-            was = torch._C._get_mkldnn_enabled()
-            torch._C._set_mkldnn_enabled(False)
-            try:
-                y = torch.mv(w, x[0])                   # [N]
-            finally:
-                torch._C._set_mkldnn_enabled(was)
+            y = _mv_without_onednn(w, x[0])             # [N]
             return (y if b is None else y + b)[None]    # [1, N]
         if x.shape[0] >= WIDE_ROWS and x.dtype in _REDUCED and x.device.type == "cpu" and not _has_gemm(x.dtype):
             return _linear_in_fp32(x, w, b)
