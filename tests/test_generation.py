@@ -115,8 +115,38 @@ def test_top_p_zero_keeps_the_likeliest_token_alone(model):
     assert model.generate(PROMPT, max_tokens=12, temperature=2.0, seed=1, ignore_eos=True).token_ids != greedy
 
 
+def test_should_stop_is_asked_at_each_generated_token(model):
+    # Without on_text (or while text is held back as a possible stop string) nothing else asks:
+    # a client that left must still stop the generation at its next token.
+    calls = []
+
+    def should_stop() -> bool:
+        calls.append(1)
+        return len(calls) > 5
+
+    res = model.generate(PROMPT, max_tokens=40, ignore_eos=True, should_stop=should_stop)
+    assert res.finish_reason == "abort" and len(res.token_ids) == 5
+    # All of the text held back: the stop string is the whole answer and more.
+    whole = model.generate(PROMPT, max_tokens=40, ignore_eos=True).text
+    held = model.generate(PROMPT, max_tokens=40, ignore_eos=True, stop=[whole + " zz"], on_text=lambda piece: None,
+                          should_stop=lambda: True)
+    assert held.finish_reason == "abort" and held.token_ids == []
+
+
+def test_an_aborted_prompt_reports_the_tokens_it_processed(tiny_checkpoint):
+    _, d = tiny_checkpoint("qwen3_moe")
+    model = expertcache.load(d, ctx_size=128, prefill_stretch=4)
+    calls = []
+    res = model.generate(list(range(5, 17)), max_tokens=3,
+                         should_stop=lambda: bool(calls.append(1)) or len(calls) > 1)
+    assert res.finish_reason == "abort"
+    # Asked before each stretch after the first: two stretches of 4 tokens ran, the third did not.
+    assert res.prompt_tokens == 12 and res.timings()["prompt_n"] == model.last_prefill.tokens == 8
+
+
 def test_bad_sampling_values(model):
-    for kwargs in ({"temperature": -1}, {"top_p": -0.1}, {"top_p": 1.01}, {"min_p": 2}, {"top_k": -1}, {"max_tokens": -1}):
+    for kwargs in ({"temperature": -1}, {"top_p": -0.1}, {"top_p": 1.01}, {"min_p": 2}, {"top_k": -1},
+                   {"max_tokens": -1}):
         with pytest.raises(ExpertCacheError):
             model.generate(PROMPT, **kwargs)
 

@@ -248,3 +248,20 @@ def test_a_server_follows_a_replaced_checkpoint(versions, tmp_path, cache):
             ok = _chat(client, prompt + " w9")
             with TestClient(create_app(expertcache.load(old), n_slots=1)) as back:
                 assert ok.json()["choices"][0]["text"] == _chat(back, prompt + " w9").json()["choices"][0]["text"]
+
+
+def test_a_session_follows_weights_of_another_shape(tmp_path):
+    # The checkpoint is replaced by one with another layer: a session from before holds keys and
+    # values shaped for the old layers. Its next generation starts afresh on the new weights, as
+    # a new session would (its buffers were cut back and reused before, and the call failed).
+    work = _work(tmp_path, save_checkpoint(build_reference(tiny_config("qwen3_moe"), seed=0), tmp_path / "old"))
+    deeper = save_checkpoint(build_reference(tiny_config("qwen3_moe", layers=4), seed=1), tmp_path / "deeper")
+    model = expertcache.load(work, ctx_size=64)
+    session = model.new_session()
+    model.generate(IDS[:6], max_tokens=3, session=session, ignore_eos=True)
+    for name in ("model.safetensors", "config.json"):
+        _replace_atomically(deeper / name, work / name)
+    got = model.generate(IDS[:8], max_tokens=4, session=session, ignore_eos=True)
+    want = expertcache.load(deeper, ctx_size=64).generate(IDS[:8], max_tokens=4, ignore_eos=True)
+    assert got.token_ids == want.token_ids and got.cached_tokens == 0
+    assert model.cfg.num_layers == 4

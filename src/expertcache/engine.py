@@ -64,21 +64,26 @@ class GenerationResult:
     token_ids: list[int]
     prompt_tokens: int
     cached_tokens: int
-    finish_reason: str  # stop | length | abort (the on_text callback asked to stop)
+    finish_reason: str  # stop | length | abort (the on_text callback or should_stop asked to stop)
     prompt_seconds: float
     gen_seconds: float
+    # Prompt tokens run: those not reused, unless the prompt was stopped part-way (None).
+    processed_tokens: int | None = None
+
+    @property
+    def prompt_processed(self) -> int:
+        return self.prompt_tokens - self.cached_tokens if self.processed_tokens is None else self.processed_tokens
 
     @property
     def prompt_tps(self) -> float:
-        processed = self.prompt_tokens - self.cached_tokens
-        return processed / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+        return self.prompt_processed / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
 
     @property
     def gen_tps(self) -> float:
         return len(self.token_ids) / self.gen_seconds if self.gen_seconds > 0 else 0.0
 
     def timings(self) -> dict:
-        return {"prompt_n": self.prompt_tokens - self.cached_tokens, "cache_n": self.cached_tokens,
+        return {"prompt_n": self.prompt_processed, "cache_n": self.cached_tokens,
                 "predicted_n": len(self.token_ids), "prompt_ms": self.prompt_seconds * 1e3,
                 "predicted_ms": self.gen_seconds * 1e3, "prompt_per_second": self.prompt_tps,
                 "predicted_per_second": self.gen_tps}
@@ -348,7 +353,8 @@ class Model:
         reused and the session holds the conversation afterwards (state computed with weights
         that have since changed is dropped, never reused). `on_text` receives each new piece of
         text; returning False stops generation. `should_stop` is asked between prefill
-        micro-batches; a yes ends the call with finish reason `abort`. `progress(done, total)`
+        micro-batches and before each generated token; a yes ends the call with finish reason
+        `abort` (`processed_tokens`: the prompt tokens that ran). `progress(done, total)`
         follows the prompt tokens the call prefills (`prefill`)."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 0:
             raise ExpertCacheError(f"max_tokens {max_tokens!r} must be an integer >= 0")
@@ -367,8 +373,10 @@ class Model:
             session = self.new_session()
         self._check_session(session)
         if session.version != self.version:
-            session.truncate(0)
-            session.version = self.version
+            # State of other weights: none of it is reused, and its buffers are made afresh, since
+            # the new checkpoint may have other layers or shapes.
+            session.kv, session.version = self.net.new_kv(self.ctx_size), self.version
+            session.tokens.clear()
         cached = common_prefix(session.tokens, ids)
         cached = min(cached, len(ids) - 1)  # the last prompt token must run to give logits
         cached = session.truncate(cached)
@@ -376,8 +384,8 @@ class Model:
         t0 = time.perf_counter()
         logits = self.prefill(session, ids[cached:], ubatch, should_stop=should_stop, progress=progress)
         t1 = time.perf_counter()
-        if logits is None:
-            return GenerationResult("", [], len(ids), cached, "abort", t1 - t0, 0.0)
+        if logits is None:  # stopped part-way: the stretches done are what ran
+            return GenerationResult("", [], len(ids), cached, "abort", t1 - t0, 0.0, self.last_prefill.tokens)
         out: list[int] = []
         # The text continues the prompt: its last ids give the first piece its context (a
         # SentencePiece word's leading space).
@@ -388,6 +396,11 @@ class Model:
         at_stop_string = False
         stop = [s for s in (stop or []) if s]
         while len(out) < max_tokens:
+            # Asked at each token: on_text alone would not hear of a client that left while the
+            # text is held back (a possible stop string) or no text came.
+            if should_stop is not None and should_stop():
+                finish = "abort"
+                break
             tok = sampler(logits)
             if tok in self.eos_ids and not ignore_eos:
                 finish = "stop"

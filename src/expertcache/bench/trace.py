@@ -210,7 +210,7 @@ class TraceRecorder:
         start = len(self)
         with self.attached(model):
             res = model.generate(prompt, **kwargs)
-        self.label(start, res.prompt_tokens - res.cached_tokens)
+        self.label(start, res.prompt_processed)
         return res
 
     def label(self, start: int, prefill_tokens: int) -> None:

@@ -89,7 +89,7 @@ class Stats:
     def record(self, res: GenerationResult) -> None:
         self.requests += 1
         self.aborted += res.finish_reason == "abort"
-        self.prompt_tokens += res.prompt_tokens - res.cached_tokens
+        self.prompt_tokens += res.prompt_processed
         self.cached_tokens += res.cached_tokens
         self.predicted_tokens += len(res.token_ids)
         self.prompt_seconds += res.prompt_seconds
