@@ -21,6 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from expertcache.checkpoint.writer import atomic_gguf, check_output_file  # noqa: E402
+from expertcache.errors import ExpertCacheError  # noqa: E402
 from expertcache.models.loader import open_model  # noqa: E402
 
 
@@ -52,78 +54,86 @@ def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, object]:
     return t.float().contiguous().numpy(), gguf.GGMLQuantizationType.F32
 
 
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def convert(model_dir: Path, out: Path) -> None:
     import gguf
 
+    # Before any work: never the source's weights or another file of the user's, in a directory
+    # that exists.
+    out = check_output_file(out, True, "a GGUF file", _is_gguf)
     m = open_model(model_dir)
     cfg, ckpt = m.cfg, m.ckpt
     if cfg.model_type != "qwen3_moe" or any(not s for s in cfg.sparse_layers):
         raise SystemExit("to_gguf: only Qwen3-MoE checkpoints with every layer sparse are supported")
     arch = gguf.MODEL_ARCH.QWEN3MOE
     names = gguf.get_tensor_name_map(arch, cfg.num_layers)
-    w = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size or cfg.moe_intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope.theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_experts)
-    w.add_expert_used_count(cfg.top_k)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    # Written beside `out` and renamed in once complete: a failure leaves no partial file.
+    with atomic_gguf(out, gguf.MODEL_ARCH_NAMES[arch]) as w:
+        w.add_block_count(cfg.num_layers)
+        w.add_context_length(cfg.max_position)
+        w.add_embedding_length(cfg.hidden_size)
+        w.add_feed_forward_length(cfg.intermediate_size or cfg.moe_intermediate_size)
+        w.add_head_count(cfg.num_heads)
+        w.add_head_count_kv(cfg.num_kv_heads)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_rope_freq_base(cfg.rope.theta)
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.top_k)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
 
-    tok = json.loads((model_dir / "tokenizer.json").read_text())
-    vocab = {**tok["model"]["vocab"], **{a["content"]: a["id"] for a in tok.get("added_tokens", [])}}
-    tokens = [f"[PAD{i}]" for i in range(cfg.vocab_size)]
-    types = [gguf.TokenType.UNUSED] * cfg.vocab_size
-    special = {a["content"] for a in tok.get("added_tokens", [])}
-    for text, i in vocab.items():
-        if i < cfg.vocab_size:
-            tokens[i] = text
-            types[i] = gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre_tokenizer(tok))
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    merges = tok["model"].get("merges") or []
-    if not merges:
-        # llama.cpp refuses a BPE vocabulary without merges: give it one, on an unused id.
-        free = types.index(gguf.TokenType.UNUSED)
-        tokens[free], types[free] = "\u0120t", gguf.TokenType.NORMAL
-        merges = ["\u0120 t"]
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    if cfg.eos_token_id:
-        w.add_eos_token_id(cfg.eos_token_id[0])
+        tok = json.loads((model_dir / "tokenizer.json").read_text())
+        vocab = {**tok["model"]["vocab"], **{a["content"]: a["id"] for a in tok.get("added_tokens", [])}}
+        tokens = [f"[PAD{i}]" for i in range(cfg.vocab_size)]
+        types = [gguf.TokenType.UNUSED] * cfg.vocab_size
+        special = {a["content"] for a in tok.get("added_tokens", [])}
+        for text, i in vocab.items():
+            if i < cfg.vocab_size:
+                tokens[i] = text
+                types[i] = gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre_tokenizer(tok))
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        merges = tok["model"].get("merges") or []
+        if not merges:
+            # llama.cpp refuses a BPE vocabulary without merges: give it one, on an unused id.
+            free = types.index(gguf.TokenType.UNUSED)
+            tokens[free], types[free] = "\u0120t", gguf.TokenType.NORMAL
+            merges = ["\u0120 t"]
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+        if cfg.eos_token_id:
+            w.add_eos_token_id(cfg.eos_token_id[0])
 
-    for name in ckpt.tensors:
-        if ".experts." in name:
-            continue
-        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gname is None:
-            raise SystemExit(f"to_gguf: no GGUF name for {name}")
-        t = ckpt.read(name)
-        # llama.cpp adds norm weights to f32 activations: vectors are stored in f32.
-        arr, kind = to_numpy(t.float() if t.ndim == 1 else t)
-        w.add_tensor(gname, arr, raw_dtype=kind)
-    src = m.experts
-    D, I = cfg.hidden_size, cfg.moe_intermediate_size
-    for layer in cfg.moe_layers:
-        rows = torch.stack([src.read(layer, e).view(src.dtype) for e in range(cfg.num_experts)])  # [E, 3*I*D]
-        parts = {"gate_proj": rows[:, : I * D].reshape(-1, I, D), "up_proj": rows[:, I * D: 2 * I * D].reshape(-1, I, D),
-                 "down_proj": rows[:, 2 * I * D:].reshape(-1, D, I)}
-        for part, t in parts.items():
-            gname = names.get_name(f"model.layers.{layer}.mlp.experts.{part}.weight", try_suffixes=(".weight",))
-            arr, kind = to_numpy(t)
+        for name in ckpt.tensors:
+            if ".experts." in name:
+                continue
+            gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            if gname is None:
+                raise SystemExit(f"to_gguf: no GGUF name for {name}")
+            t = ckpt.read(name)
+            # llama.cpp adds norm weights to f32 activations: vectors are stored in f32.
+            arr, kind = to_numpy(t.float() if t.ndim == 1 else t)
             w.add_tensor(gname, arr, raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file(progress=True)
-    w.close()
+        src = m.experts
+        D, I = cfg.hidden_size, cfg.moe_intermediate_size
+        for layer in cfg.moe_layers:
+            rows = torch.stack([src.read(layer, e).view(src.dtype) for e in range(cfg.num_experts)])  # [E, 3*I*D]
+            parts = {"gate_proj": rows[:, : I * D].reshape(-1, I, D), "up_proj": rows[:, I * D: 2 * I * D].reshape(-1, I, D),
+                     "down_proj": rows[:, 2 * I * D:].reshape(-1, D, I)}
+            for part, t in parts.items():
+                gname = names.get_name(f"model.layers.{layer}.mlp.experts.{part}.weight", try_suffixes=(".weight",))
+                arr, kind = to_numpy(t)
+                w.add_tensor(gname, arr, raw_dtype=kind)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file(progress=True)
 
 
 def main() -> int:
@@ -131,7 +141,11 @@ def main() -> int:
     ap.add_argument("-m", "--model", required=True, type=Path)
     ap.add_argument("-o", "--output", required=True, type=Path)
     args = ap.parse_args()
-    convert(args.model, args.output)
+    try:
+        convert(args.model, args.output)
+    except ExpertCacheError as e:
+        print(f"to_gguf: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {args.output}")
     return 0
 

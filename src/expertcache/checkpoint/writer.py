@@ -119,7 +119,8 @@ def check_output(out: Path, force: bool, sources: tuple[Path, ...] = ()) -> Path
                                    "replaces only what pack and synth wrote; move it out or remove the directory")
     parent = full.parent
     if not parent.is_dir():
-        raise ExpertCacheError(f"output directory's parent {str(parent)!r} does not exist")
+        raise ExpertCacheError(f"output {str(out)!r}: directory {str(parent)!r} does not exist: expected a path "
+                               "in an existing directory")
     return full
 
 
@@ -250,6 +251,7 @@ def atomic_output_dir(out: Path, force: bool = False, sources: tuple[Path, ...] 
     two renames, so that `out` names a complete directory at every moment but between them."""
     full = check_output(out, force, sources)
     tmp = full.parent / f".{full.name}.partial-{os.getpid()}"
+    old, aside = full.parent / f".{full.name}.old-{os.getpid()}", False
     shutil.rmtree(tmp, ignore_errors=True)
     _remove_stale_partials(full)
     with _signals_end_cleanly():
@@ -261,7 +263,7 @@ def atomic_output_dir(out: Path, force: bool = False, sources: tuple[Path, ...] 
             files = sorted(p.name for p in tmp.iterdir() if p.name != OUTPUT_MARKER)
             (tmp / OUTPUT_MARKER).write_text(json.dumps({"written_by": "expertcache", "files": files}) + "\n")
             if full.exists():
-                old = full.parent / f".{full.name}.old-{os.getpid()}"
+                aside = True  # before the rename: a Ctrl-C just after it must still see it
                 os.replace(full, old)
                 os.replace(tmp, full)
                 shutil.rmtree(old, ignore_errors=True)
@@ -269,6 +271,10 @@ def atomic_output_dir(out: Path, force: bool = False, sources: tuple[Path, ...] 
                 os.replace(tmp, full)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            # Ctrl-C or an error between the two renames: put the earlier output back, or the path
+            # is empty and the earlier output lies under a hidden name.
+            if aside and old.exists() and not full.exists():
+                os.replace(old, full)
             raise
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -105,7 +106,12 @@ def writing(output: str) -> Iterator[None]:
             if not any(q == out or (q.parent == out.parent and q.name.startswith(f".{out.name}."))
                        for q in (p, *p.parents)):
                 raise  # not the output: the source, say; cli.main names that file
-        raise ExpertCacheError(f"cannot write {output!r}: {e.strerror or e}") from None
+        reason = e.strerror or str(e)
+        # numpy's tofile (gguf-py's tensor writes) says only this of a full disk, without an errno.
+        short = re.fullmatch(r"(\d+) requested and (\d+) written", reason)
+        if short:
+            reason = f"a short write ({short[1]} bytes requested, {short[2]} written): is the disk full?"
+        raise ExpertCacheError(f"cannot write {output!r}: {reason}") from None
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, min_p: bool = True) -> None:
