@@ -198,6 +198,17 @@ def assert_prompt_keys_not_repeated(model, ids: torch.Tensor, monkeypatch) -> No
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
+def wait_until(condition, what: str, timeout: float = 30.0) -> None:
+    """Poll a condition another thread makes true where it offers no event to wait on (a server
+    started, the worker's counters), failing with `what` after `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 class LiveServer:
     """uvicorn serving `app` in a background thread on an ephemeral loopback port (`url`);
     `stop()` ends it. `timeout`: how long starting and stopping may take."""
@@ -205,7 +216,6 @@ class LiveServer:
     def __init__(self, app, timeout: float = 30.0):
         import socket
         import threading
-        import time
 
         import uvicorn
 
@@ -217,10 +227,7 @@ class LiveServer:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
+        wait_until(lambda: self.server.started, "the server did not start", timeout)  # uvicorn sets a flag only
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -24,18 +24,10 @@ import expertcache
 from expertcache import CacheConfig, cli
 from expertcache.server.app import create_app
 from expertcache.server.slots import Slot, choose_slot
-from conftest import LiveServer
+from conftest import LiveServer, wait_until
 
 CTX = 384
 TIMEOUT = 30.0
-
-
-def wait_until(condition, what: str) -> None:
-    """Poll a condition another thread makes true (the server's worker), up to TIMEOUT seconds."""
-    deadline = time.monotonic() + TIMEOUT
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import os
 import shutil
 import socket
 import threading
-import time
 
 import httpx
 import pytest
@@ -21,7 +20,7 @@ import torch
 from fastapi.testclient import TestClient
 
 import expertcache
-from conftest import LiveServer, build_reference, save_checkpoint, tiny_config
+from conftest import LiveServer, build_reference, save_checkpoint, tiny_config, wait_until
 from expertcache import CacheConfig
 from expertcache.errors import CopyError
 from expertcache.server import app as app_module
@@ -39,10 +38,8 @@ def ckpt(tmp_path_factory):
 
 def wait_idle(sched: Scheduler) -> None:
     """Until the worker has nothing running or queued (TIMEOUT at most)."""
-    deadline = time.monotonic() + TIMEOUT
-    while sched.snapshot().processing or sched.snapshot().deferred:
-        assert time.monotonic() < deadline, "the worker stayed busy"
-        time.sleep(0.01)
+    wait_until(lambda: not (sched.snapshot().processing or sched.snapshot().deferred), "the worker stayed busy",
+               TIMEOUT)
 
 
 def hold_after_first_piece(model):
@@ -248,6 +245,8 @@ def test_a_queued_client_that_left_is_not_counted_as_waiting(ckpt):
     first, release = hold_after_first_piece(model)
     srv = LiveServer(create_app(model))
     sched = srv.app.state.scheduler
+    jobs: list[Job] = []
+    submitted = _submits(sched, jobs)
     out = {}
 
     def running():
@@ -257,22 +256,18 @@ def test_a_queued_client_that_left_is_not_counted_as_waiting(ckpt):
     t = threading.Thread(target=running, daemon=True)
     try:
         t.start()
-        assert first.wait(TIMEOUT), "the first request did not start"
+        assert submitted.acquire(timeout=TIMEOUT) and first.wait(TIMEOUT), "the first request did not start"
         with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
             # A queued request whose client leaves once the server has queued it.
             body = json.dumps({"prompt": "w7 w8", "max_tokens": 2}).encode()
             with socket.create_connection(("127.0.0.1", int(srv.url.rsplit(":", 1)[1]))) as sock:
                 sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-                deadline = time.monotonic() + TIMEOUT
-                while sched.snapshot().deferred != 1:
-                    assert time.monotonic() < deadline, "the second request was not queued"
-                    time.sleep(0.01)
-            # Its client is gone: the server notices within DISCONNECT_POLL_S.
-            deadline = time.monotonic() + 5.0
-            while sched.snapshot().deferred != 0:
-                assert time.monotonic() < deadline, "a client that left still counts as waiting"
-                time.sleep(0.01)
+                assert submitted.acquire(timeout=TIMEOUT), "the second request was not queued"
+                assert sched.snapshot().deferred == 1
+            # Its client is gone: the server notices within DISCONNECT_POLL_S and cancels the job.
+            assert jobs[1].cancelled.wait(5.0), "the server did not notice the client leave"
+            assert sched.snapshot().deferred == 0, "a client that left still counts as waiting"
             metrics = c.get("/metrics").text
             assert "expertcache_requests_deferred 0.0" in metrics
             assert c.get("/cache/state").json()["server"]["deferred"] == 0
@@ -285,12 +280,15 @@ def test_a_queued_client_that_left_is_not_counted_as_waiting(ckpt):
     assert (s.requests, s.aborted, s.deferred) == (2, 1, 0), s
 
 
-def _submits(sched: Scheduler) -> threading.Semaphore:
-    """A semaphore released once per job submitted to `sched` (wraps its submit)."""
+def _submits(sched: Scheduler, jobs: list | None = None) -> threading.Semaphore:
+    """A semaphore released once per job submitted to `sched` (wraps its submit); each job is
+    appended to `jobs` where given."""
     submitted, real = threading.Semaphore(0), sched.submit
 
     def submit(job):
         real(job)
+        if jobs is not None:
+            jobs.append(job)
         submitted.release()
 
     sched.submit = submit

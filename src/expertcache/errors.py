@@ -16,4 +16,7 @@ class ModelChangedError(ExpertCacheError):
 
 class CopyError(ExpertCacheError):
     """Copying experts from the slow tier failed (a short read, an I/O error). The slots the copy
-    was meant to fill are left empty, as if it had never been planned."""
+    was meant to fill are left empty, as if it had never been planned. The server answers it with
+    500: the checkpoint could not be read, which is no fault of the request."""
+
+    status = 500

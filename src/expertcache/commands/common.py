@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from ..errors import ExpertCacheError
 from ..flags import add_kernels_flag, add_prefill_flags, cache_config, nonneg_int, positive_int, prefill_options
 from ..sampling import SamplingParams
@@ -96,9 +98,13 @@ def read_text_file(path: str) -> str:
 @contextlib.contextmanager
 def writing(output: str) -> Iterator[None]:
     """Around the writing of `output`: an OSError on it, or on the temporary name beside it that
-    becomes it (a read-only directory, a full disk), is one line naming `output`."""
+    becomes it (a read-only directory, a full disk), is one line naming `output`; so is
+    safetensors' own error for a failed write (not an OSError: a full disk as "I/O error")."""
     try:
         yield
+    except SafetensorError as e:
+        reason = str(e).removeprefix("Error while serializing: ").removeprefix("I/O error: ")
+        raise ExpertCacheError(f"cannot write {output!r}: {reason}") from None
     except OSError as e:
         out = Path(output).resolve()
         if e.filename is not None:

@@ -9,8 +9,6 @@ import json
 import sys
 from pathlib import Path
 
-from safetensors import SafetensorError
-
 from ..errors import ExpertCacheError
 from ..flags import add_cache_flags, add_prefetch_width_flag, nonneg_int, positive_int
 from .args import finite_float, seed
@@ -344,11 +342,7 @@ def cmd_fit_predictor(args) -> int:
                 bar.close()
     maps.meta["text"] = args.file
     with writing(args.output):
-        try:
-            maps.save(out)
-        except SafetensorError as e:  # how safetensors reports a failed write (a full disk): not an OSError
-            reason = str(e).removeprefix("Error while serializing: ").removeprefix("I/O error: ")
-            raise ExpertCacheError(f"cannot write {args.output!r}: {reason}") from None
+        maps.save(out)
     first = model.cfg.moe_layers[0]
     prev = {nxt: layer for layer, nxt in zip(model.cfg.moe_layers, model.cfg.moe_layers[1:])}
     used = args.objective == "used"

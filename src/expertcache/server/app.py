@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import GenerationResult, Model
-from ..errors import CopyError, ExpertCacheError
+from ..errors import ExpertCacheError
 from . import protocol as P
 from .auth import require_api_key
 from .dashboard import add_dashboard
@@ -284,12 +284,9 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
 def _error_of(e: BaseException) -> P.ApiError:
     """The API's answer to an error from the engine. An ExpertCacheError is the request's fault
     (400) unless its class says otherwise with `status` and `code` attributes (the weights
-    changing under a request: 503 `model_changed`); a copy from the checkpoint that failed is a
-    500, as any failure inside the engine."""
+    changing under a request: 503 `model_changed`; a checkpoint that could not be read: 500)."""
     if isinstance(e, P.ApiError):
         return e
-    if isinstance(e, CopyError):  # the checkpoint could not be read: the server's failure, not the request's
-        return P.ApiError(f"internal error: {e}", status=500)
     if isinstance(e, ExpertCacheError):
         return P.ApiError(str(e), status=getattr(e, "status", 400), code=getattr(e, "code", None))
     return P.ApiError(f"internal error: {type(e).__name__}: {e}", status=500)

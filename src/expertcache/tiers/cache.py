@@ -342,7 +342,7 @@ class ExpertCache:
     def _wait_job(self, job: CopyJob, queued: bool) -> None:
         """`queued`: wait for the worker to make the job (the caller moved it to the front of the
         queue); else take it over if it has not started."""
-        if self._worker is None:  # a forked child before it starts a worker: every job ended at the fork
+        if job.done.is_set():  # ended (in a forked child, every job did at the fork: it may have no worker)
             return
         if queued:
             job.done.wait()
