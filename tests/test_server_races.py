@@ -295,6 +295,59 @@ def _submits(sched: Scheduler, jobs: list | None = None) -> threading.Semaphore:
     return submitted
 
 
+def test_a_restart_after_a_stop_that_gave_up_waits_for_the_old_worker(ckpt):
+    # A job deaf to cancellation outlives stop()'s wait. Starting the app again then started a
+    # second worker beside the first: two threads running one model. The restarted worker must
+    # serve once the old one is gone (a second stop() leaves one sentinel, for the old one).
+    model = expertcache.load(ckpt, ctx_size=CTX)
+    real, lock = model.generate, threading.Lock()
+    entered, release = threading.Event(), threading.Event()
+    running, most = [0], [0]
+
+    def generate(ids, **kw):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        entered.set()
+        release.wait(TIMEOUT)
+        with lock:
+            running[0] -= 1
+        return real(ids, **kw)
+
+    model.generate = generate
+
+    def workers() -> set:
+        return {t for t in threading.enumerate() if t.name == "expertcache-worker" and t.is_alive()}
+
+    before = workers()
+    sched = Scheduler(model, n_slots=1)
+    sched.start()
+    results = []
+    done = [threading.Event(), threading.Event()]
+    ids = model.tokenizer.encode("w1 w2")
+    for i in range(2):
+        job = Job(ids, {"max_tokens": 2, "temperature": 0},
+                  on_done=lambda res, err, i=i: (results.append((i, res, err)), done[i].set()))
+        if i == 0:
+            sched.submit(job)
+            assert entered.wait(TIMEOUT), "the first job did not start"
+            sched.stop(timeout=0.05)
+            sched.stop(timeout=0.05)
+            restart = threading.Thread(target=sched.start, daemon=True)
+            restart.start()
+            restart.join(0.5)  # the restart has had time to start a worker, if it does not wait
+            assert len(workers() - before) == 1, "a second worker started beside the one still running"
+            release.set()
+            restart.join(TIMEOUT)
+            assert not restart.is_alive() and done[0].wait(TIMEOUT)
+        else:
+            sched.submit(job)
+            assert done[1].wait(TIMEOUT), "the restarted worker did not serve"
+    sched.stop()
+    assert most[0] == 1
+    assert results[1][2] is None and results[1][1].token_ids, results[1]
+
+
 def test_requests_beyond_the_slots_run_first_come_first_served(ckpt):
     # One request runs (held at its first piece) while four more arrive one after another, two of
     # them continuing the held one's prompt on a server of two slots: they run in the order they

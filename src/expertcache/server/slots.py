@@ -113,6 +113,13 @@ class Scheduler:
         self.stopping = threading.Event()  # set by stop(): no job runs or waits from then on
 
     def start(self) -> None:
+        old = self._thread
+        if old is not None and self.stopping.is_set():
+            # A stop() gave up on a worker still inside a job that ignores cancellation. A second
+            # worker beside it would run the one model from two threads: wait for it to end (at
+            # the stop's sentinel, once its job returns).
+            old.join()
+            self._thread = None
         if self._thread is None:
             self.stopping.clear()  # an app started again after a stop serves again
             self._thread = threading.Thread(target=self._run, name="expertcache-worker", daemon=True)
@@ -141,7 +148,8 @@ class Scheduler:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout)
-            self._thread = None
+            if not self._thread.is_alive():
+                self._thread = None  # else kept: start() waits for it rather than run a second worker
 
     def submit(self, job: Job) -> None:
         with self._lock:
