@@ -300,6 +300,54 @@ def test_work_beside_the_experts_runs_while_the_ops_misses_are_read(models, with
     slots_hold_what_they_claim(cache)
 
 
+class _StreamOrder:
+    """The cache's transfers as a GPU would order them, on the CPU: copies are made as on a CPU,
+    and each point where the compute stream would be made to wait for copies is logged."""
+
+    cuda = True
+
+    def __init__(self, real, log: list):
+        self.real, self.log = real, log
+
+    def copy(self, slots, do_copy):
+        self.real.copy(slots, do_copy)
+
+    def prefetch_copy(self, slots, do_copy):
+        self.real.prefetch_copy(slots, do_copy)
+        return "event"
+
+    def wait_prefetched(self, event):
+        self.log.append("wait")
+
+    def before_compute(self):
+        self.log.append("wait")
+
+    def after_compute(self, slots):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def test_on_a_gpu_work_beside_the_experts_is_queued_before_the_waits_for_copies(models):
+    """On a GPU, `meanwhile` (Gemma 4's dense MLP) is queued on the compute stream before that
+    stream is made to wait for the op's copies (its prefetched experts' and its demand copies');
+    queued after a wait, it ran only once those copies had landed."""
+    model = _load(models["qwen2"], experts=10, store="ram", prefetch="on", prefetch_width=2.0)
+    cache = model.experts
+    model.logits(IDS[:4])
+    layer, nxt = cache.moe_layers[:2]
+    log = []
+    cache.transfers = _StreamOrder(cache.transfers, log)
+    missing = [e for e in range(cache.num_experts) if not cache.residency.is_resident(ExpertKey(nxt, e))]
+    cache.prefetch(nxt, missing[:1])  # pending when its op arrives: the op waits for it
+    ops = list(cache.acquire(nxt, sorted(missing[:3]), meanwhile=lambda: log.append("meanwhile")))
+    cache.quiesce()
+    assert log[0] == "meanwhile" and log.count("meanwhile") == 1 and "wait" in log, log
+    assert sorted(e for wave in ops for e, _ in wave) == sorted(missing[:3])
+    slots_hold_what_they_claim(cache)
+
+
 def test_a_prefetch_failing_while_its_op_is_planned_keeps_its_slot_for_that_op(models):
     """A prefetch whose copy fails after the op that hits it was planned, and before that op plans
     the next prefetch: the op copies it again itself, and its slot is not given to the next

@@ -195,8 +195,9 @@ class ExpertCache:
         """Make `experts` (sorted distinct ids of `layer`) available, wave by wave: each wave is a
         list of (expert, weights), valid until the next wave; closing the generator releases them.
         `meanwhile` runs once (`ExpertProvider.acquire`): with the split, after the first wave's
-        copies are handed to the worker and before anything waits for them; without it, after the
-        wave's copies are issued (asynchronous on a GPU) and before its experts compute."""
+        copies are handed to the worker and before anything waits for them; on a GPU, before the
+        compute stream is made to wait for the first wave's copies; otherwise after that wave's
+        copies are made and before its experts compute."""
 
         def work_meanwhile() -> None:
             nonlocal meanwhile
@@ -252,7 +253,10 @@ class ExpertCache:
                     wave = _part(wave, lambda s: s in late)
                 if split and outstanding is None and wave.fills:
                     outstanding = self._demand_job(layer, wave)
-                if split and meanwhile is not None:  # before the waits below: it overlaps the reads
+                if meanwhile is not None and (split or self.transfers.cuda):
+                    # Before the waits below: it overlaps the reads. On a GPU those waits are
+                    # queued on the compute stream, and work queued after them would wait for the
+                    # copies too; queued first, it runs while they copy.
                     work_meanwhile()
                     t0 = time.perf_counter()
                 # With the split, every copy the wave still waits for is made on the worker: its
@@ -274,8 +278,7 @@ class ExpertCache:
                         copied += len(wave.fills)
                 done += 1
                 self.telemetry_.add_seconds("stall_seconds", time.perf_counter() - t0)
-                # Without the split the copies were issued above: on a GPU they run on the copy
-                # stream while this runs; on a CPU this thread made them.
+                # On a CPU without the split, this thread made the copies above.
                 work_meanwhile()
                 yield from self._compute(layer, wave)
         finally:
