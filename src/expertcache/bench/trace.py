@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -365,6 +364,12 @@ def load_trace(path: str | Path) -> Trace:
             raw = z["header"]
             arrays = {k: z[k] for k in ARRAYS + PRED_ARRAYS if k in z.files}
             prob = z[PROB_ARRAY] if PROB_ARRAY in z.files else None
+        # numpy hands back the raw bytes of an entry that is not a .npy file.
+        for k, a in {"header": raw, **arrays, PROB_ARRAY: prob}.items():
+            if a is not None and not isinstance(a, np.ndarray):
+                raise ExpertCacheError(f"{name}: not an expertcache trace: entry {k!r} is not a NumPy array")
+    except ExpertCacheError:
+        raise
     except FileNotFoundError:
         raise ExpertCacheError(f"cannot read trace {name!r}: no such file") from None
     except IsADirectoryError:
@@ -373,7 +378,11 @@ def load_trace(path: str | Path) -> Trace:
         if e.errno is not None:  # the file system's refusal (permissions, I/O), not the file's bytes
             raise ExpertCacheError(f"cannot read trace {name!r}: {e.strerror}") from None
         raise ExpertCacheError(f"{not_a_trace} ({_first_sentence(e)})") from None
-    except (ValueError, EOFError, zipfile.BadZipFile) as e:
+    except Exception as e:
+        # The file's bytes are at fault: numpy and zipfile answer a damaged archive with many
+        # kinds of error (ValueError, EOFError, BadZipFile, zlib.error from a corrupt compressed
+        # entry, tokenize and syntax errors from a mangled .npy header, MemoryError from a shape
+        # no file could hold), and each must be one line naming the file, not a traceback.
         raise ExpertCacheError(f"{not_a_trace} ({_first_sentence(e)})") from None
     header, version = _parse_header(raw, name)
     if version < 3:
@@ -426,7 +435,8 @@ def _parse_header(raw: np.ndarray, name: str) -> tuple[TraceHeader, int]:
         if not isinstance(v, int) or isinstance(v, bool) or v < (0 if k == "expert_bytes" else 1):
             raise ExpertCacheError(f"{name}: header {k!r} must be a positive integer, got {v!r}")
     layers = h.get("moe_layers")
-    if (not isinstance(layers, list) or not layers or not all(isinstance(x, int) for x in layers)
+    if (not isinstance(layers, list) or not layers
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
             or layers != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= h["num_layers"]):
         raise ExpertCacheError(f"{name}: header 'moe_layers' must be distinct ascending layer indices "
                                f"below num_layers={h['num_layers']}, got {layers!r}")
@@ -444,6 +454,8 @@ def _parse_header(raw: np.ndarray, name: str) -> tuple[TraceHeader, int]:
 
 def _check(trace: Trace, name: str) -> None:
     h = trace.header
+    if trace.layer.ndim != 1:  # its length is the op count every other array is checked against
+        raise ExpertCacheError(f"{name}: array 'layer' has shape {trace.layer.shape}, expected (ops,)")
     n = trace.num_ops
     for k in ("layer", "tokens", "phase"):
         a = getattr(trace, k)
@@ -464,8 +476,11 @@ def _check(trace: Trace, name: str) -> None:
         i = int(np.argmax(bad))
         raise ExpertCacheError(f"{name}: op {i} is on layer {int(trace.layer[i])}, which is not a MoE "
                                f"layer of the header ({list(h.moe_layers)})")
-    if trace.phase.max() >= len(PHASES):
-        raise ExpertCacheError(f"{name}: 'phase' must be 0 (prefill) or 1 (decode), got {int(trace.phase.max())}")
+    bad = (trace.phase < 0) | (trace.phase >= len(PHASES))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ExpertCacheError(f"{name}: 'phase' must be 0 (prefill) or 1 (decode), got {int(trace.phase[i])} "
+                               f"at op {i}")
     if trace.ids.size and (trace.ids.min() < 0 or trace.ids.max() >= h.num_experts):
         bad_id = int(trace.ids.max()) if trace.ids.max() >= h.num_experts else int(trace.ids.min())
         raise ExpertCacheError(f"{name}: expert id {bad_id} out of range: the header says "
