@@ -59,14 +59,13 @@ class Sampler:
         p = self.p
         if p.temperature == 0:
             return int(torch.argmax(logits))
+        logits = logits.float()
+        if p.top_k and p.top_k < logits.shape[0]:
+            logits = logits.masked_fill(~_top_k_mask(logits, int(p.top_k)), float("-inf"))
         # Shifted so that the largest logit is 0 before dividing, and the temperature kept a normal
         # float32: however small the temperature, the others go to -inf at worst (probability 0)
         # and nothing becomes +inf or NaN (0 / 0).
-        logits = logits.float()
         logits = (logits - logits.max()) / max(p.temperature, _TINY)
-        if p.top_k and p.top_k < logits.shape[0]:
-            kth = torch.topk(logits, int(p.top_k)).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         if p.top_p < 1.0:
             sorted_p, idx = torch.sort(probs, descending=True)
@@ -78,3 +77,15 @@ class Sampler:
         if p.min_p > 0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         return int(torch.multinomial(probs.cpu(), 1, generator=self.gen))
+
+
+def _top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The k most likely tokens, exactly k as llama.cpp keeps them: logits that tie at the k-th
+    value are kept from the lowest id on, the tie greedy's argmax breaks, so that top_k 1 samples
+    the greedy token (bf16 logits tie at the top often enough to matter). Read on the logits as
+    given: dividing by a temperature could round two neighbouring values into one."""
+    kth = torch.topk(logits, k).values[-1]
+    keep = logits > kth
+    tied = torch.nonzero(logits == kth).flatten()
+    keep[tied[: k - int(keep.sum())]] = True
+    return keep

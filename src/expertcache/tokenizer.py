@@ -243,18 +243,30 @@ class StreamDecoder:
         self.tokenizer, self.ids, self.start = tokenizer, ids, len(ids)
         self.prefix = 0         # window start: one piece back, for context
         self.read = len(ids)    # tokens already emitted as text
+        self.emitted: list[str] = []
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        before = self.tokenizer.decode(self.ids[self.prefix: self.read])
-        text = self.tokenizer.decode(self.ids[self.prefix:])
-        if len(text) <= len(before) or text.endswith("\ufffd"):
+        new = self._unread()
+        if not new or new.endswith("\ufffd"):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
+        self.emitted.append(new)
+        return new
+
+    def _unread(self) -> str:
+        """The text the ids not yet emitted add to what was."""
+        before = self.tokenizer.decode(self.ids[self.prefix: self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if not text.startswith(before):
+            # Decoding the window again changed text already emitted: byte-fallback tokens decode
+            # as one run, and a run that turns invalid UTF-8 becomes one U+FFFD per byte, a
+            # character completed earlier in it included. The new ids' own bytes continue it
+            # instead, as llama.cpp joins the pieces' bytes.
+            return self.tokenizer.decode(self.ids[self.read:])
         return text[len(before):]
 
     def text(self) -> str:
-        """All the text of the ids pushed so far, what is held back included."""
-        context = self.tokenizer.decode(self.ids[:self.start])
-        full = self.tokenizer.decode(self.ids)
-        return full[len(context):] if full.startswith(context) else self.tokenizer.decode(self.ids[self.start:])
+        """All the text of the ids pushed so far, what is held back included: the pieces `push`
+        returned and then the rest, so that a stream and the whole answer never differ."""
+        return "".join(self.emitted) + self._unread()
