@@ -33,6 +33,18 @@ def test_top_k_keeps_exactly_k_tokens_when_logits_tie():
     assert seen == {0, 1, 2}
 
 
+def test_seed_minus_one_is_a_random_seed_as_in_llama_cpp(monkeypatch):
+    """llama.cpp's `--seed` and llama-server's `seed` default to -1, "random": a client written for
+    it sends -1 to sample afresh. Taken as an ordinary seed, every such request repeated one stream."""
+    import expertcache.sampling as sampling
+
+    drawn = iter([b"\x01" * 8, b"\x02" * 8])
+    monkeypatch.setattr(sampling.os, "urandom", lambda n: next(drawn))
+    seeds = [Sampler(SamplingParams(temperature=1.0, seed=-1)).gen.initial_seed() for _ in range(2)]
+    assert seeds == [int.from_bytes(b"\x01" * 8) % 2**63, int.from_bytes(b"\x02" * 8) % 2**63]
+    assert Sampler(SamplingParams(temperature=1.0, seed=-2)).gen.initial_seed() == torch.Generator().manual_seed(-2).initial_seed()
+
+
 def spm_tokenizer() -> Tokenizer:
     """A SentencePiece vocabulary with byte-fallback tokens <0x00>..<0xFF>, as llama.cpp's file holds it."""
     with GGUFCheckpoint(RECORDED / "spm-tiny.gguf") as ck:

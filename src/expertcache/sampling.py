@@ -22,7 +22,7 @@ class SamplingParams:
     top_k: int = 0            # 0 = off
     top_p: float = 1.0
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None   # None or -1 (llama.cpp's default, "random"): one from the OS
 
     def __post_init__(self) -> None:
         # Types first: from the Python API a str or float would otherwise pass as a TypeError from a
@@ -52,7 +52,10 @@ class Sampler:
         self.gen = torch.Generator()
         # Without a seed, one from the OS: torch.seed() would reseed torch's global generator too,
         # undoing a caller's torch.manual_seed for everything that follows.
-        self.gen.manual_seed(int(params.seed) if params.seed is not None else int.from_bytes(os.urandom(8)) % 2**63)
+        # -1 asks for a random seed in llama.cpp (`--seed`, and llama-server's `seed`): a client
+        # written for it sends -1 to sample afresh, not to repeat one fixed stream.
+        random = params.seed is None or params.seed == -1
+        self.gen.manual_seed(int.from_bytes(os.urandom(8)) % 2**63 if random else int(params.seed))
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [V] -> token id."""

@@ -129,7 +129,7 @@ def add_sampling_flags(p: argparse.ArgumentParser, min_p: bool = True) -> None:
     if min_p:
         p.add_argument("--min-p", type=finite_float, default=0.0,
                        help="drop tokens below P x the likeliest token's probability (default: 0, none)")
-    p.add_argument("--seed", type=seed, help="sampling seed, 64 bits (default: a random one)")
+    p.add_argument("--seed", type=seed, help="sampling seed, 64 bits (default, or -1: a random one)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
 
 
