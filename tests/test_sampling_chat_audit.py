@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from expertcache.checkpoint.gguf_io import GGUFCheckpoint
+from expertcache.errors import NonFiniteLogitsError
 from expertcache.gguf_tokenizer import tokenizer_parts_from_gguf
 from expertcache.sampling import Sampler, SamplingParams
 from expertcache.tokenizer import StreamDecoder, Tokenizer
@@ -43,6 +45,16 @@ def test_seed_minus_one_is_a_random_seed_as_in_llama_cpp(monkeypatch):
     seeds = [Sampler(SamplingParams(temperature=1.0, seed=-1)).gen.initial_seed() for _ in range(2)]
     assert seeds == [int.from_bytes(b"\x01" * 8) % 2**63, int.from_bytes(b"\x02" * 8) % 2**63]
     assert Sampler(SamplingParams(temperature=1.0, seed=-2)).gen.initial_seed() == torch.Generator().manual_seed(-2).initial_seed()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logits_holding_nan_or_infinity_are_refused(bad, temperature):
+    """No token can be chosen from logits that overflowed: greedy took a NaN's position as the
+    answer, and sampling failed inside torch with a traceback."""
+    logits = torch.tensor([0.5, 2.0, bad, 1.0])
+    with pytest.raises(NonFiniteLogitsError, match=f"logits hold {bad}"):
+        Sampler(SamplingParams(temperature=temperature, seed=0))(logits)
 
 
 def spm_tokenizer() -> Tokenizer:

@@ -209,6 +209,32 @@ def test_a_failed_copy_is_a_server_error_and_the_next_request_runs(ckpt):
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
 
 
+
+def test_logits_that_overflowed_are_a_server_error_and_the_next_request_runs(ckpt):
+    # Logits holding NaN (an fp16 overflow in the forward) were a traceback's 500 while sampling
+    # and, greedy, a NaN's position taken as the next token: garbage that looked like output.
+    model = expertcache.load(ckpt, ctx_size=CTX)
+    body = {"prompt": "w3 w4 w5 w6", "max_tokens": 3, "ignore_eos": True}
+    real = model.net.forward
+
+    def overflowing(*a, **kw):
+        out = real(*a, **kw)
+        return out.masked_fill(torch.arange(out.shape[-1]) == 5, float("nan"))
+
+    with TestClient(create_app(model)) as client:
+        want = client.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+        for temperature in (0, 1):
+            model.net.forward = overflowing
+            try:
+                r = client.post("/v1/completions", json={**body, "temperature": temperature, "prompt": "w40 w41"})
+            finally:
+                model.net.forward = real
+            assert r.status_code == 500, r.text
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and "logits hold nan" in err["message"], err
+            r = client.post("/v1/completions", json={**body, "temperature": 0})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+
 # ---- shutdown ----
 def test_cache_events_end_at_shutdown_whatever_their_interval(ckpt):
     # `expertcache serve` stops the scheduler first at Ctrl-C, then waits for connections to

@@ -20,3 +20,11 @@ class CopyError(ExpertCacheError):
     500: the checkpoint could not be read, which is no fault of the request."""
 
     status = 500
+
+
+class NonFiniteLogitsError(ExpertCacheError):
+    """The model's logits for the next token hold NaN or infinity (an overflow in the forward, as
+    fp16 weights can give): no token can be chosen from them, and a guess would be garbage that
+    looks like output. The server answers it with 500: no fault of the request."""
+
+    status = 500

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ExpertCacheError
+from .errors import ExpertCacheError, NonFiniteLogitsError
 
 # torch.Generator.manual_seed takes any integer that fits 64 bits, signed or unsigned.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -60,6 +60,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [V] -> token id."""
         p = self.p
+        top = float(logits.max())  # NaN anywhere makes it NaN
+        if not math.isfinite(top):
+            raise NonFiniteLogitsError(f"the model's logits hold {top} (an overflow in the forward pass, as fp16 "
+                                       f"can give): no token can be chosen; try --dtype bfloat16 or float32")
         if p.temperature == 0:
             return int(torch.argmax(logits))
         logits = logits.float()
