@@ -135,7 +135,7 @@ class Gemma4(Architecture):
                                          float(_rope(sliding_rope, SLIDING)), 1.0, base.sliding_window,
                                          False, eps)
         full = SlidingAttentionConfig(heads, full_kv, full_head, float(_rope(full_rope, FULL)),
-                                      float(full_rope.get("partial_rotary_factor", 1.0)), None,
+                                      _rotated_share(full_rope), None,
                                       bool(merged.get("attention_k_eq_v", False)), eps)
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
         fields["intermediate_size"] = base_raw["intermediate_size"]
@@ -264,6 +264,15 @@ def _rope(params: dict, kind: str) -> float:
     if params.get("factor", 1.0) != 1.0:
         raise ExpertCacheError(f"rope_parameters.{kind}.factor {params['factor']!r}: expected 1.0")
     return params.get("rope_theta", 10_000.0 if kind == SLIDING else 1_000_000.0)
+
+
+def _rotated_share(params: dict) -> float:
+    """The share of a full layer's head that rotates. Only proportional RoPE reads
+    `partial_rotary_factor`: transformers' default RoPE for Gemma 4 rotates the whole head
+    whatever the factor says, so a factor beside `rope_type: default` changes nothing."""
+    if params.get("rope_type", "default") != "proportional":
+        return 1.0
+    return float(params.get("partial_rotary_factor", 1.0))
 
 
 def _full_attention_shape(raw: dict, types, base: ModelConfig) -> tuple[int, int]:

@@ -10,7 +10,8 @@ layer's state at one position, taken:
   end inside it: the start is where the previous request ended (or where a reused prefix
   resumed), the end is the end of a prompt or of one of its stretches. A stretch runs layer by
   layer, so a micro-batch end inside it is a copy of each layer's state as that layer passes it
-  (`layer_done`), made a whole snapshot when the forward ends (`PartialSnapshots`);
+  (`layer_done`), made a whole snapshot when the forward ends (`PartialSnapshots`; only the
+  last `max_snapshots` - 1 micro-batch ends are held, the others could not be kept);
 - every `snapshot_every` tokens while decoding (a step that lands on a multiple of it).
 
 At most `max_snapshots` are kept; beyond that the one at the earliest position goes. Position 0
@@ -22,7 +23,7 @@ kept position describe another continuation and are dropped.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +59,18 @@ class PartialSnapshots:
     def __init__(self) -> None:
         self.by_position: dict[int, dict[int, object]] = {}
 
-    def add(self, position: int, layer: int, state) -> None:
-        self.by_position.setdefault(position, {})[layer] = state
+    def add(self, position: int, layer: int, copy: Callable[[], object], limit: int) -> None:
+        """Keep `copy()` for `layer` at `position`, holding the latest `limit` positions only:
+        each layer passes the positions in ascending order, so an earlier one could only be
+        dropped later, after its copies had held memory for the rest of the forward."""
+        d = self.by_position
+        if position not in d:
+            if limit < 1 or (len(d) >= limit and position < min(d)):
+                return
+            d[position] = {}
+        d[position][layer] = copy()
+        while len(d) > limit:
+            del d[min(d)]
 
     def clear(self) -> None:
         self.by_position.clear()
@@ -109,7 +120,11 @@ class SnapshotSchedule(ABC):
     def layer_done(self, layer: int, position: int) -> None:
         held = self._held()
         if layer in held:
-            self._partial.add(position, layer, held[layer].copy())
+            # Of a forward's micro-batch ends, only the last max_snapshots - 1 can outlive it (its
+            # end is one more snapshot, `advance`): a copy per layer of every earlier one would be
+            # memory held to no end (a 32k-token stretch in micro-batches of 512: 63 copies of
+            # every layer's state where 7 are kept).
+            self._partial.add(position, layer, held[layer].copy, self.max_snapshots - 1)
 
     def advance(self, n: int) -> None:
         for position, states in self._partial.whole(len(self._held())):
