@@ -12,6 +12,7 @@ or copy bandwidth is cache bandwidth.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
@@ -378,14 +379,14 @@ def cmd_bench_cache(args) -> int:
     for spec in tqdm(specs, desc="bench cache", unit="config", file=sys.stderr, disable=None):
         p = subprocess.run([sys.executable, "-m", "expertcache.bench.cache_bench", json.dumps(spec)],
                            capture_output=True, text=True)
-        if p.returncode != 0:
+        row, error = _child_result(p)
+        if error is not None:
             # The other configurations still run and print: one failure (a cache too large for the
             # memory, say) does not throw away what was measured before it.
             failed.append({"mode": spec["mode"], "store": spec["store"], "fraction": spec.get("fraction"),
-                           "prefetch": spec.get("prefetch"),
-                           "error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit code {p.returncode}"})
+                           "prefetch": spec.get("prefetch"), "error": error})
             continue
-        rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        rows.append(row)
     if not rows:  # nothing measured: one line, as before
         f = failed[0]
         raise ExpertCacheError(f"configuration {failed_label(f)} failed: {f['error']}")
@@ -403,6 +404,24 @@ def cmd_bench_cache(args) -> int:
                       "prefill_tokens": args.prefill, "decode_tokens": args.decode, "results": rows,
                       "failed": failed, "prefetch_bounds": bounds}))
     return 1 if failed else 0
+
+
+def _child_result(p: subprocess.CompletedProcess) -> tuple[dict | None, str | None]:
+    """(the configuration's figures, None), or (None, why it failed in one line)."""
+    if p.returncode < 0:
+        # Killed (the OOM killer's SIGKILL, a Ctrl-C): whatever it printed last, a warning or a
+        # notice, is not the reason.
+        try:
+            name = signal.Signals(-p.returncode).name
+        except ValueError:
+            name = f"signal {-p.returncode}"
+        return None, f"killed by {name}"
+    if p.returncode != 0:
+        return None, p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit code {p.returncode}"
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1]), None
+    except (IndexError, ValueError):
+        return None, "no result: its last line of output is not the figures' JSON"
 
 
 def failed_label(f: dict) -> str:

@@ -12,6 +12,8 @@ With `--model DIR --compare staging,cache` it starts our server in each mode in 
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
 import random
@@ -63,13 +65,17 @@ class Client:
         except (urllib.error.URLError, OSError) as e:
             raise ExpertCacheError(f"{self.url}{path}: cannot connect: {getattr(e, 'reason', e)}") from None
 
+    def _answer(self, path: str, r) -> dict:
+        with _answer_errors(self.url + path):
+            return json.loads(r.read())
+
     def get(self, path: str) -> dict:
         with self._open(path) as r:
-            return json.loads(r.read())
+            return self._answer(path, r)
 
     def post(self, path: str, body: dict) -> dict:
         with self._open(path, body) as r:
-            return json.loads(r.read())
+            return self._answer(path, r)
 
     def count_tokens(self, text: str) -> int:
         try:
@@ -82,7 +88,7 @@ class Client:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
         ttft, text, usage, timings, finish = None, [], None, None, None
-        with self._open(path, body) as r:
+        with self._open(path, body) as r, _answer_errors(self.url + path):
             for raw in r:
                 line = raw.decode("utf-8", errors="replace").strip()
                 if not line.startswith("data:"):
@@ -92,7 +98,8 @@ class Client:
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    raise ExpertCacheError(f"{self.url}{path}: {chunk['error'].get('message')}")
+                    err = chunk["error"]
+                    raise ExpertCacheError(f"{self.url}{path}: {err.get('message') if isinstance(err, dict) else err}")
                 for c in chunk.get("choices") or []:
                     piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
                     if piece:
@@ -106,6 +113,20 @@ class Client:
             ttft = (timings or {}).get("prompt_ms", latency * 1e3) / 1e3
         return {"latency": latency, "ttft": ttft, "text": "".join(text),
                 "usage": usage or {}, "timings": timings, "finish_reason": finish}
+
+
+@contextlib.contextmanager
+def _answer_errors(where: str):
+    """An answer that breaks off (the server died mid-stream, a read timed out) or is not JSON
+    (not an OpenAI-compatible server) is an `ExpertCacheError` naming the request: one line from
+    the command, and with `--compare` the failure of that mode alone, as a refused connection is.
+    (They were a traceback, or with `--compare` ended the run and its other modes' results.)"""
+    try:
+        yield
+    except ValueError as e:
+        raise ExpertCacheError(f"{where}: the answer is not JSON ({e}): is this an OpenAI-compatible server?") from None
+    except (OSError, http.client.HTTPException) as e:
+        raise ExpertCacheError(f"{where}: the answer broke off: {e!r}") from None
 
 
 def calibrate(client: Client, text: str, start: int, n_tokens: int) -> str:
@@ -318,6 +339,12 @@ def run_compare(args) -> list[dict]:
     bad = [m for m in modes if m not in CACHE_MODES]
     if bad or len(modes) < 1:
         raise ExpertCacheError(f"--compare {args.compare!r}: expected cache modes from {', '.join(CACHE_MODES)}")
+    # The results and the deltas are keyed by mode: a mode given twice was measured twice, printed
+    # twice, and kept once in the JSON line.
+    twice = sorted({m for m in modes if modes.count(m) > 1})
+    if twice:
+        raise ExpertCacheError(f"--compare {args.compare!r}: {', '.join(twice)} given more than once; "
+                               "name each mode once")
     results = []
     for mode in modes:
         port = _free_port()

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from ..errors import ExpertCacheError
 from ..memory import host_zeros
+from ..telemetry import StepTimer
 
 PREFILLS = (256, 512, 2048)
 # Before each run of a pair (`side_by_side`), both processes' CPU time must grow by less than
@@ -174,14 +175,37 @@ def matmul_flops_per_token(model) -> int:
     return 2 * weight_bytes_per_token(model)["weights"]
 
 
-def _decode(model, prompt: list[int], n: int) -> dict:
-    from ..telemetry import StepTimer
+class _CopyTimer(StepTimer):
+    """A `StepTimer` that charges the copies made during a lap (the cache's `copy_seconds` grew)
+    to `copies` instead of the lap they fell in. They do not always fall in `experts`: Gemma 4's
+    dense MLP runs as the op's `meanwhile`, after the op's copies on a CPU without the split, so
+    its lap held them and `experts`, less all copies, went below zero."""
 
+    def __init__(self, telemetry) -> None:
+        self._telemetry = telemetry
+        super().__init__()
+        self._copied = telemetry.copy_seconds
+
+    def start(self) -> None:
+        super().start()
+        self._copied = self._telemetry.copy_seconds
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        copied = self._telemetry.copy_seconds
+        copies = copied - self._copied
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last - copies
+        if copies:
+            self.seconds["copies"] = self.seconds.get("copies", 0.0) + copies
+        self._last, self._copied = now, copied
+
+
+def _decode(model, prompt: list[int], n: int) -> dict:
     s = model.new_session()
     model.prefill(s, prompt)
     tok = prompt[-1]
     before = model.telemetry()
-    timer = StepTimer()
+    timer = _CopyTimer(model.experts.telemetry_)
     model.net.timer = timer
     t = time.perf_counter()
     for _ in range(n):
@@ -191,7 +215,7 @@ def _decode(model, prompt: list[int], n: int) -> dict:
     after = model.telemetry()
     copies = after["copy_seconds"] - before["copy_seconds"]
     parts = {k: v / n for k, v in timer.seconds.items()}
-    parts["experts"] = parts.get("experts", 0.0) - copies / n
+    # Every copy of the steps, those made outside a forward's laps too (they leave `rest`).
     parts["copies"] = copies / n
     parts["rest"] = wall / n - sum(v for k, v in parts.items())
     missed = after["total"]["copied_bytes"] - before["total"]["copied_bytes"]
@@ -230,7 +254,18 @@ class _Profiled:
         return call
 
 
-def overhead_profile(model, prompt: list[int], n: int = 16) -> dict:
+# Decode steps the profiled decode (`overhead_profile`) runs.
+PROFILE_STEPS = 16
+
+
+def context_size(prefills: list[int], decode: int) -> int:
+    """Positions every measurement needs: the longest prompt, and a 64-token prompt followed by
+    the decode steps or by the profiled steps (`--decode` below PROFILE_STEPS ran out of context
+    in the profile, after the other measurements)."""
+    return max(prefills) + max(decode, PROFILE_STEPS) + 72
+
+
+def overhead_profile(model, prompt: list[int], n: int = PROFILE_STEPS) -> dict:
     """Decode step time outside the matrix products, and the cache's bookkeeping per MoE op."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -440,7 +475,7 @@ def side_by_side(model, lc: LlamaCppProcess, prompt: list[int], decode: int, pre
 
 def run(args) -> dict:
     # Loaded first, so that a file llama.cpp refuses fails before the benchmark rather than after.
-    lc = (LlamaCppProcess(args.vs_llamacpp, args.threads, n_ctx=max(args.prefill) + args.decode + 72)
+    lc = (LlamaCppProcess(args.vs_llamacpp, args.threads, n_ctx=context_size(args.prefill, args.decode))
           if args.vs_llamacpp else None)
     try:
         return _run(args, lc)
@@ -464,7 +499,7 @@ def _run(args, lc: LlamaCppProcess | None) -> dict:
     bar = tqdm(configs, desc="bench speed", unit="config", file=sys.stderr, disable=None)
     for mode, frac in bar:
         model = expertcache.load(args.model, dtype=args.dtype, cache=CacheConfig(mode=mode, fraction=frac, store="ram"),
-                                 ctx_size=max(args.prefill) + args.decode + 72, kernels=args.kernels,
+                                 ctx_size=context_size(args.prefill, args.decode), kernels=args.kernels,
                                  activations=args.activations)
         if "matmul_rate" not in machine:
             machine["matmul_rate"] = measure_matmul_rate(model.cfg.hidden_size, model.cfg.moe_intermediate_size,
