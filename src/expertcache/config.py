@@ -25,7 +25,13 @@ _DTYPES = {
 
 def parse_dtype(value: str | torch.dtype | None, what: str = "dtype") -> torch.dtype | None:
     """A torch dtype from its name ('bf16', 'bfloat16', 'torch.float32') or the dtype itself."""
-    if value is None or isinstance(value, torch.dtype):
+    if value is None:
+        return value
+    if isinstance(value, torch.dtype):
+        # The engine computes in these three; torch.int32 passed the load and failed in the
+        # first forward with "expected scalar type Float but found Int".
+        if value not in _DTYPES.values():
+            raise ExpertCacheError(f"unsupported {what} {value}: expected one of float32, bfloat16, float16")
         return value
     name = str(value).removeprefix("torch.").lower()
     if name not in _DTYPES:
@@ -335,6 +341,8 @@ class CacheConfig:
         if self.fraction is not None and (isinstance(self.fraction, bool) or not (
                 isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1)):
             raise ExpertCacheError(f"cache fraction {self.fraction!r} must be in (0, 1]")
+        if not isinstance(self.verify, bool):  # verify="no" is truthy: it turned verify mode on
+            raise ExpertCacheError(f"cache verify {self.verify!r} must be True or False")
         _check_int("trace_every", self.trace_every, 0)
         if self.prefetch not in PREFETCH_MODES:
             raise ExpertCacheError(f"unknown prefetch setting {self.prefetch!r}: expected one of "

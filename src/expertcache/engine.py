@@ -12,7 +12,7 @@ import operator
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,6 +172,8 @@ class Model:
         """Reallocate the expert cache at another size, mode, policy or prefetch; its slots are
         invalidated (reason `pool`). The store stays the one the model was loaded with: a config
         left at the default store takes it, one naming another store is refused."""
+        if not isinstance(cache, CacheConfig):
+            raise ExpertCacheError(f"resize_cache takes a CacheConfig, got {type(cache).__name__}")
         maps = self._load_maps(cache.predictor)  # before anything changes: a bad file changes nothing
         self.experts.resize(cache)
         self.predictor_maps = maps
@@ -263,12 +265,15 @@ class Model:
         half-way leaves recurrent state and rings to be restored by `Session.truncate`, as after
         a failed forward). `progress(done, total)` hears of the tokens done as each layer of a
         stretch is (a stretch's tokens count in equal parts per layer)."""
-        if ubatch < 1:
-            raise ExpertCacheError(f"ubatch {ubatch} must be at least 1")
+        ubatch = _check_ubatch(ubatch)
+        _check_callable("should_stop", should_stop)
+        _check_callable("progress", progress)
+        token_ids = self._id_list(token_ids, check_range=False)
         if not token_ids:
             raise ExpertCacheError("nothing to process: the prompt is empty")
         self._check_session(session)
         self._check_fits(session.kv.length + len(token_ids))
+        self._check_range(min(token_ids), max(token_ids))
         if session.version != self.version:
             raise ExpertCacheError("the session was computed with weights that have since changed; "
                                    "start a new session")
@@ -289,7 +294,9 @@ class Model:
                     def on_layer(i: int, s=s, n=n) -> None:
                         progress(s + n * (i + 1) // layers, total)
                 try:
-                    out = self.net.forward(self._as_tensor(part), session.kv, all_logits=all_logits, chunk=ubatch,
+                    # Checked once above (`_id_list`): no second pass over each part.
+                    ids = torch.tensor(part, dtype=torch.long).to(self.net.device)
+                    out = self.net.forward(ids, session.kv, all_logits=all_logits, chunk=ubatch,
                                            should_stop=should_stop, on_layer=on_layer)
                 except PrefillStopped:
                     return None
@@ -316,20 +323,34 @@ class Model:
         # Checked where the ids are (on the host for a list), then moved once: on a GPU, reading
         # a device tensor's min and max back would wait for the device at every call.
         if torch.is_tensor(token_ids):
-            ids = token_ids.to(torch.long).reshape(-1)
+            ids = _one_sequence(token_ids).to(torch.long)
             lo, hi = (int(ids.min()), int(ids.max())) if ids.numel() else (0, 0)
-        else:  # a list: checked in Python (a decode step's one id costs two tensor reductions otherwise)
-            try:
-                token_ids = [operator.index(t) for t in token_ids]
-            except TypeError:
-                raise ExpertCacheError(f"token ids must be integers, got {list(token_ids)[:8]}") from None
-            ids = torch.tensor(token_ids, dtype=torch.long)
-            lo, hi = (min(token_ids), max(token_ids)) if token_ids else (0, 0)
-        if ids.numel():
-            if lo < 0 or hi >= self.cfg.vocab_size:
-                bad = hi if hi >= self.cfg.vocab_size else lo
-                raise ExpertCacheError(f"token id {bad} out of range: the vocabulary has {self.cfg.vocab_size} tokens")
-        return ids.to(self.net.device)
+            self._check_range(lo, hi)
+            return ids.to(self.net.device)
+        return torch.tensor(self._id_list(token_ids), dtype=torch.long).to(self.net.device)
+
+    def _id_list(self, token_ids, check_range: bool = True) -> list[int]:
+        """Token ids (a list or tuple of integers, a 1-D integer tensor or array) as a list of
+        Python ints in the vocabulary (`check_range`); anything else is an ExpertCacheError naming it."""
+        if torch.is_tensor(token_ids):
+            token_ids = _one_sequence(token_ids).tolist()
+        elif isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+            # A string is iterable, and its characters would be refused one by one as "not integers".
+            raise ExpertCacheError(f"token ids must be a list of integers, got {type(token_ids).__name__}"
+                                   + (" (a text prompt goes to generate, or through tokenizer.encode)"
+                                      if isinstance(token_ids, str) else ""))
+        try:
+            ids = [operator.index(t) for t in token_ids]
+        except TypeError:
+            raise ExpertCacheError(f"token ids must be integers, got {list(token_ids)[:8]}") from None
+        if ids and check_range:
+            self._check_range(min(ids), max(ids))
+        return ids
+
+    def _check_range(self, lo: int, hi: int) -> None:
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            bad = hi if hi >= self.cfg.vocab_size else lo
+            raise ExpertCacheError(f"token id {bad} out of range: the vocabulary has {self.cfg.vocab_size} tokens")
 
     def _check_session(self, session) -> None:
         if not isinstance(session, Session):
@@ -361,12 +382,22 @@ class Model:
         if isinstance(prompt, str) and self.tokenizer is None:
             raise ExpertCacheError(f"{self.path}: a text prompt needs a tokenizer, and this model has none "
                                    "(tokenizer.json is missing): pass token ids")
+        # Everything is checked before the prompt runs: a stop string or callback of the wrong
+        # type was otherwise a TypeError at the first generated token, after the whole prompt.
         if isinstance(stop, str):  # one stop string, not one per character
             stop = [stop]
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop)):
+            raise ExpertCacheError(f"stop {stop!r} must be a string or a list of strings")
+        _check_ubatch(ubatch)
+        for name, fn in (("on_text", on_text), ("should_stop", should_stop), ("progress", progress)):
+            _check_callable(name, fn)
+        if not isinstance(ignore_eos, bool):  # ignore_eos="no" would have been true
+            raise ExpertCacheError(f"ignore_eos {ignore_eos!r} must be True or False")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self._id_list(prompt, check_range=False)
         if not ids:
             raise ExpertCacheError("the prompt is empty")
         self._check_fits(len(ids))
+        self._check_range(min(ids), max(ids))
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed))
         self.begin_call()
         if session is None:
@@ -441,8 +472,35 @@ class Model:
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
         if self.tokenizer is None:
             raise ExpertCacheError(f"{self.path}: chat needs a tokenizer, and this model has none (tokenizer.json is missing)")
+        # A string would render as one message per character, and a list of strings as messages
+        # without a role, both without a word.
+        if not isinstance(messages, (list, tuple)) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ExpertCacheError(f"messages must be a non-empty list of dicts such as "
+                                   f"{{'role': 'user', 'content': 'hi'}}, got {messages!r:.80}")
         ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         return self.generate(ids, **kwargs)
+
+
+def _one_sequence(ids: torch.Tensor) -> torch.Tensor:
+    """A tensor of token ids as one flat sequence: integers, shaped [T] or [1, T]. A float tensor
+    would be truncated to ids and a batch read as one long sequence, both without a word."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ExpertCacheError(f"token ids must be integers, got a tensor of {ids.dtype}")
+    if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
+        raise ExpertCacheError(f"token ids must be one sequence, shaped [T] or [1, T], got a tensor of shape "
+                               f"{list(ids.shape)}")
+    return ids.reshape(-1)
+
+
+def _check_ubatch(ubatch) -> int:
+    if isinstance(ubatch, bool) or not isinstance(ubatch, numbers.Integral) or ubatch < 1:
+        raise ExpertCacheError(f"ubatch {ubatch!r} must be an integer >= 1")
+    return int(ubatch)
+
+
+def _check_callable(name: str, fn) -> None:
+    if fn is not None and not callable(fn):
+        raise ExpertCacheError(f"{name} {fn!r} must be a function or None")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -503,6 +561,8 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     for name, value in (("prefill-stretch", prefill_stretch), ("prefill-mem", prefill_mem)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ExpertCacheError(f"{name} {value!r} must be an integer >= 1")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ExpertCacheError(f"model path {path!r} must be a string or a path (None: the bundled model)")
     options = LoadOptions(_device(device), parse_dtype(dtype), cache or CacheConfig(), ctx_size, kernels,
                           prefill_stretch, prefill_mem or LoadOptions.prefill_mem, activations)
     path = Path(path) if path is not None else default_model_path()

@@ -28,4 +28,9 @@ def make_store_for(source: ExpertSource, cache: CacheConfig, device: torch.devic
 def build_experts(source: ExpertSource, cache: CacheConfig, device: torch.device, dtype: torch.dtype,
                   tiler: Tiler | None = None) -> ExpertCache:
     """The expert provider the MoE layers read from: a slot cache over the chosen slow tier."""
-    return ExpertCache(make_store_for(source, cache, device, dtype, tiler), cache, device)
+    store = make_store_for(source, cache, device, dtype, tiler)
+    try:
+        return ExpertCache(store, cache, device)
+    except BaseException:  # a cache too small for one wave: the store's files are open
+        store.close()
+        raise

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import os
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
@@ -238,9 +239,15 @@ class DiskStore(ExpertStore):
                  device: torch.device | str = "cpu"):
         super().__init__(source, dtype, tiler)
         self.device = torch.device(device)  # where the slots are: elsewhere than the host, reads bounce
-        self._fds = {p: os.open(p, os.O_RDONLY) for p in source.files}
-        self._direct_fds = self._open_direct() if self.drop_cache and self.direct else {}
+        self._fds: dict[Path, int] = {}
+        self._direct_fds: dict[Path, int] = {}
         self._refused_fds: list[int] = []  # direct descriptors a device refused, closed with the store
+        # A store let go without close() (a model simply dropped) closes its descriptors when it is
+        # collected: each load otherwise left the checkpoint open for good.
+        self._closer = weakref.finalize(self, _close_fds, self._fds, self._direct_fds, self._refused_fds)
+        self._fds.update((p, os.open(p, os.O_RDONLY)) for p in source.files)
+        if self.drop_cache and self.direct:
+            self._direct_fds.update(self._open_direct())
         self._pages: bool | None = None  # `reads_direct`'s layout check, made once
         self.reads = 0
         self.direct_reads = 0  # of `reads`, those made with O_DIRECT
@@ -383,11 +390,15 @@ class DiskStore(ExpertStore):
             self._check(path)
 
     def close(self) -> None:
-        for fd in (*self._fds.values(), *self._direct_fds.values(), *self._refused_fds):
-            os.close(fd)
-        self._fds.clear()
-        self._direct_fds.clear()
-        self._refused_fds.clear()
+        self._closer()
+
+
+def _close_fds(fds: dict, direct: dict, refused: list) -> None:
+    for fd in (*fds.values(), *direct.values(), *refused):
+        os.close(fd)
+    fds.clear()
+    direct.clear()
+    refused.clear()
 
 
 class MmapStore(DiskStore):
