@@ -248,3 +248,26 @@ def test_bench_cache_says_why_a_configuration_ended(models, capsys, monkeypatch)
     assert [(f["fraction"], f["error"]) for f in out["failed"]] == [
         (0.25, "killed by SIGKILL"), (0.5, "no result: its last line of output is not the figures' JSON")]
     assert "failed: cache ram 25% prefetch auto: killed by SIGKILL" in lines
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_bench_cache_measures_the_prompt_from_empty_slots(models, fraction):
+    """The warm-up runs the measured prompt's first tokens: their experts stayed in the slots, and
+    the measured prefill counted as hits experts it never paid for (at 100% it read nothing for
+    a short prompt). It must read what the same prompt reads on a model freshly loaded."""
+    from expertcache.bench.cache_bench import run_one
+
+    spec = {"model": str(models["qwen3"]), "mode": "cache", "fraction": fraction, "store": "ram", "threads": 1,
+            "prefill": 12, "decode": 2, "ubatch": 512, "prefetch": "off"}
+    row = run_one(spec)
+    fresh = expertcache.load(models["qwen3"], cache=CacheConfig(mode="cache", fraction=fraction, store="ram",
+                                                                prefetch="off"), ctx_size=32)
+    prompt = torch.randint(0, fresh.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    before = fresh.telemetry()["total"]
+    fresh.prefill(fresh.new_session(), prompt)
+    after = fresh.telemetry()["total"]
+    copied = after["copied_bytes"] - before["copied_bytes"]
+    assert copied > 0
+    assert row["prefill"]["copied_bytes_per_token"] * 12 == copied
+    assert row["prefill"]["hit_rate"] == (after["resident_hits"] - before["resident_hits"]) / (
+        after["used_experts_unique"] - before["used_experts_unique"])

@@ -713,3 +713,20 @@ def test_a_failing_predictor_leaves_the_op_unplanned(models, reference):
     model.experts.predict = predict
     slots_hold_what_they_claim(model.experts)
     _check(model, reference["qwen2"])
+
+
+@pytest.mark.parametrize("store", ["ram", "disk"])
+def test_a_cleared_cache_starts_cold_and_changes_no_bit(models, reference, store):
+    """`clear()` (bench cache's start from empty slots after its warm-up) with prefetch copies
+    pending: every slot empty and the policy's history gone, then the same logits as every expert
+    resident, and the same copies as a freshly loaded model makes."""
+    model = _load(models["qwen2"], experts=10, store=store, prefetch="on", prefetch_width=2.0)
+    model.logits(IDS[:8])
+    model.experts.clear()
+    assert not model.experts.residency.resident_keys() and not model.experts._pending
+    slots_hold_what_they_claim(model.experts)
+    before = model.telemetry()["total"]["copied_bytes"]
+    _check(model, reference["qwen2"])
+    fresh = _load(models["qwen2"], experts=10, store=store, prefetch="on", prefetch_width=2.0)
+    _check(fresh, reference["qwen2"])
+    assert model.telemetry()["total"]["copied_bytes"] - before == fresh.telemetry()["total"]["copied_bytes"]

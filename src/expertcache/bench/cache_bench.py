@@ -97,6 +97,9 @@ def run_one(spec: dict) -> dict:
     model.generate(prompt[:8], max_tokens=4, ignore_eos=True)
     if replay is not None:
         replay.rewind()
+    # The measured prompt starts from empty slots, as after a load: the warm-up's experts (those of
+    # the prompt's first tokens, or the trace's first rows) would otherwise be hits it never paid.
+    model.experts.clear()
     session = model.new_session()
 
     def do_prefill():

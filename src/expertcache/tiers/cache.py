@@ -189,6 +189,19 @@ class ExpertCache:
                 self.config, self.mode = old
             raise
 
+    def clear(self) -> None:
+        """Empty every slot, and the policy's history with them: the cache as a load leaves it,
+        for a measurement that must start cold after a warm-up (resident mode keeps every expert).
+        The counters go on."""
+        if self.mode == "resident":
+            return
+        self.quiesce()
+        self._pending, self._jobs = {}, []  # every copy has ended; no slot holds what they planned
+        # New bookkeeping, as `_allocate` makes: its op count too (no prefetch before a first op).
+        self.residency = Residency(self.capacity, make_policy(self.config.policy, self.capacity))
+        self.content = [None] * self.capacity
+        self.checksums = [None] * self.capacity
+
     # ---- one op ----
     def acquire(self, layer: int, experts: Sequence[int], meanwhile: Callable[[], None] | None = None
                 ) -> Iterator[list[tuple[int, ExpertWeights]]]:
