@@ -77,6 +77,9 @@ def run_one(spec: dict) -> dict:
         n = fn()
         sync()
         dt = time.perf_counter() - t
+        # Untimed: the phase's prefetch copies still in flight end here. Their bytes count when
+        # planned, their time when done: left running, that time went to the next phase.
+        model.experts.quiesce()
         after = model.telemetry()
         tot_b, tot_a = before["total"], after["total"]
         d = {k: tot_a[k] - tot_b[k] for k in ("used_experts_unique", "resident_hits", "copied_experts",
