@@ -139,7 +139,8 @@ def test_resize_cache_takes_a_cache_config(model):
 
 def test_chat_messages_must_be_a_list_of_dicts(model):
     ran = model.telemetry()["total"]["ops_seen"]
-    for messages in ("w1 w2", ["w1 w2"], [], {"role": "user", "content": "w1"}):
+    for messages in ("w1 w2", ["w1 w2"], [], {"role": "user", "content": "w1"}, [{"content": "w1"}],
+                     [{"role": None, "content": "w1"}]):
         with pytest.raises(ExpertCacheError, match="messages"):
             model.chat(messages, max_tokens=2)
     assert model.telemetry()["total"]["ops_seen"] == ran

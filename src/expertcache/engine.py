@@ -472,10 +472,11 @@ class Model:
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
         if self.tokenizer is None:
             raise ExpertCacheError(f"{self.path}: chat needs a tokenizer, and this model has none (tokenizer.json is missing)")
-        # A string would render as one message per character, and a list of strings as messages
-        # without a role, both without a word.
-        if not isinstance(messages, (list, tuple)) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise ExpertCacheError(f"messages must be a non-empty list of dicts such as "
+        # A string would render as one message per character, and a list of strings (or of dicts
+        # without a role) as messages without a role, all without a word.
+        if not isinstance(messages, (list, tuple)) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise ExpertCacheError(f"messages must be a non-empty list of dicts, each with a 'role', such as "
                                    f"{{'role': 'user', 'content': 'hi'}}, got {messages!r:.80}")
         ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         return self.generate(ids, **kwargs)
