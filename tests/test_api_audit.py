@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,6 +52,19 @@ def test_a_dropped_model_closes_its_checkpoint(checkpoint, cache):
         del model
         gc.collect()
         assert open_files_of(checkpoint) == 0
+
+
+@pytest.mark.parametrize("store", ["ram", "mmap", "disk"])
+def test_a_dropped_gguf_model_closes_its_file(store):
+    # The GGUF reader kept its descriptor of the file open after the model was let go.
+    path = Path(__file__).resolve().parent / "fixtures" / "gguf" / "olmoe-Q8_0.gguf"
+    assert open_files_of(path) == 0
+    for _ in range(3):
+        model = expertcache.load(path, cache=CacheConfig(mode="cache", fraction=0.5, store=store), ctx_size=32)
+        model.logits([1, 2, 3])
+        del model
+        gc.collect()
+        assert open_files_of(path) == 0
 
 
 def test_a_failed_load_closes_its_checkpoint(checkpoint):

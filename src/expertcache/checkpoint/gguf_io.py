@@ -25,6 +25,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
 from ..errors import ExpertCacheError
+from .files import close_when_collected
 from .safetensors_io import Segment
 
 SUPPORTED_VERSIONS = (2, 3)
@@ -301,6 +302,7 @@ class GGUFCheckpoint:
             raise ExpertCacheError(f"{self.files[0]}: split.tensors.count is {expected} but the "
                                    f"{len(self.files)} parts hold {len(self.tensors)} tensors")
         self._fds: dict[Path, int] = {}
+        self._closer = close_when_collected(self, self._fds)
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -367,9 +369,7 @@ class GGUFCheckpoint:
         return fd
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._closer()
 
     def __enter__(self) -> GGUFCheckpoint:
         return self

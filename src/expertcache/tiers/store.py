@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import errno
 import os
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +37,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..checkpoint.files import close_when_collected
 from ..checkpoint.safetensors_io import Segment
 from ..errors import CopyError, ModelChangedError
 from ..memory import PAGE, host_zeros, page_aligned_empty
@@ -244,7 +244,7 @@ class DiskStore(ExpertStore):
         self._refused_fds: list[int] = []  # direct descriptors a device refused, closed with the store
         # A store let go without close() (a model simply dropped) closes its descriptors when it is
         # collected: each load otherwise left the checkpoint open for good.
-        self._closer = weakref.finalize(self, _close_fds, self._fds, self._direct_fds, self._refused_fds)
+        self._closer = close_when_collected(self, self._fds, self._direct_fds, self._refused_fds)
         self._fds.update((p, os.open(p, os.O_RDONLY)) for p in source.files)
         if self.drop_cache and self.direct:
             self._direct_fds.update(self._open_direct())
@@ -391,14 +391,6 @@ class DiskStore(ExpertStore):
 
     def close(self) -> None:
         self._closer()
-
-
-def _close_fds(fds: dict, direct: dict, refused: list) -> None:
-    for fd in (*fds.values(), *direct.values(), *refused):
-        os.close(fd)
-    fds.clear()
-    direct.clear()
-    refused.clear()
 
 
 class MmapStore(DiskStore):
