@@ -28,10 +28,7 @@ from expertcache.tiers.policy import (
     make_policy,
 )
 from expertcache.tiers.residency import Residency
-
-
-def K(expert: int, layer: int = 0) -> ExpertKey:
-    return ExpertKey(layer, expert)
+from test_policy import K
 
 
 HEADER = {"format": "expertcache-trace", "version": 1, "num_experts": 4, "num_layers": 2, "moe_layers": [0, 1],
