@@ -152,9 +152,14 @@ class TraceRecorder:
         fitted maps of `model.predictor_maps`), ranked 2 x top-k wide (so that widths up to 2.0
         can be evaluated)."""
         from ..models.linear_predictor import FITTED
+        from ..models.predict import NextOpPredictions
 
         cfg = model.cfg
-        width = min(cfg.num_experts, 2 * cfg.top_k) if predict else 0
+        # While recording, the runtime's prefetch reads the recorder's ranking: ranked narrower
+        # than the prefetch width asks (--prefetch-width above 2), it would prefetch less than
+        # without the recorder, and the trace could not replay the width that ran.
+        runtime = model.experts.predict.n if isinstance(model.experts.predict, NextOpPredictions) else 0
+        width = min(cfg.num_experts, max(2 * cfg.top_k, runtime)) if predict else 0
         maps = model.predictor_maps if predict else None
         name = ("router" if maps is None else FITTED + maps.name) if predict else ""
         return cls(TraceHeader(cfg.num_experts, cfg.num_layers, tuple(cfg.moe_layers), cfg.top_k,
@@ -180,6 +185,10 @@ class TraceRecorder:
         on the decoder instance to hand each forward's tokens to the predictor first (the decoder
         has no hook that sees the tokens).
         """
+        # A checkpoint rewritten on disk is reloaded at the start of the model's next call, onto a
+        # new decoder that inherits the hooks but not the wrapped `forward`, and whose hooks
+        # would outlive the block: reload it now, so that the hooks go on the decoder that runs.
+        model.begin_call()
         net = model.net
         previous = net.routing_hook, net.residual_hook
         net.routing_hook = self
@@ -209,18 +218,21 @@ class TraceRecorder:
         start = len(self)
         with self.attached(model):
             res = model.generate(prompt, **kwargs)
-        self.label(start, res.prompt_processed)
+        # A prompt stopped part-way (`processed_tokens` set) decoded nothing: all its ops are
+        # prefill, those of the stretch it left half-way too (they ran, past the tokens counted).
+        self.label(start, None if res.processed_tokens is not None else res.prompt_processed)
         return res
 
-    def label(self, start: int, prefill_tokens: int) -> None:
+    def label(self, start: int, prefill_tokens: int | None) -> None:
         """Ops from `start` on: the forwards that carried the first `prefill_tokens` tokens are
-        prefill, later ones decode. A forward begins at an op of the first MoE layer."""
+        prefill, later ones decode (None: all prefill). A forward begins at an op of the first MoE
+        layer."""
         first = self.header.moe_layers[0]
         seen = 0
         phase = 0
         for i in range(start, len(self)):
             if self._layers[i] == first:
-                phase = 0 if seen < prefill_tokens else 1
+                phase = 0 if prefill_tokens is None or seen < prefill_tokens else 1
                 seen += int(self._ids[i].shape[0])
             self._phase[i] = phase
 

@@ -303,19 +303,39 @@ def _is_predictor(path: Path) -> bool:
         return False
 
 
+# Each objective's own options and their defaults (given as None, so that a value given for the
+# other objective is seen).
+_OBJECTIVE_OPTIONS = {"logits": {"ridge": 1.0}, "used": {"hidden": 512, "epochs": 30, "seed": 0}}
+
+
+def _objective_options(args) -> None:
+    """Fill in the defaults of the objective's options; an option of the other objective is a
+    one-line error: the fit would ignore it without a word (a --seed that seeds nothing)."""
+    for objective, options in _OBJECTIVE_OPTIONS.items():
+        for name, default in options.items():
+            if objective == args.objective:
+                if getattr(args, name) is None:
+                    setattr(args, name, default)
+            elif getattr(args, name) is not None:
+                raise ExpertCacheError(f"--{name} is an option of --objective {objective}, and this fit is "
+                                       f"--objective {args.objective}: drop it")
+
+
 def cmd_fit_predictor(args) -> int:
     from tqdm import tqdm
 
     from ..models.linear_predictor import MIN_FIT_TOKENS, fit, fit_used, split_tokens
 
+    _objective_options(args)
     out = check_output_file(args.output, True, "a predictor file", _is_predictor)
     text = read_text_file(args.file)
-    split_tokens(max(args.tokens, MIN_FIT_TOKENS * 2), args.held_out, args.ridge)  # bad options fail before loading
+    ridge = {} if args.ridge is None else {"ridge": args.ridge}  # a fit of use has no ridge
+    split_tokens(max(args.tokens, MIN_FIT_TOKENS * 2), args.held_out, **ridge)  # bad options fail before loading
     model = load_model(args)
     if model.tokenizer is None:
         raise ExpertCacheError(f"{model.path}: no tokenizer.json, cannot encode {args.file}")
     ids = model.tokenizer.encode(text)[: args.tokens]
-    split_tokens(len(ids), args.held_out, args.ridge)
+    split_tokens(len(ids), args.held_out, **ridge)
     if args.objective == "logits":
         # disable=None: a bar on a terminal only; in a log its carriage returns would be noise.
         with tqdm(total=len(ids), desc="fit", unit="tok", file=sys.stderr, disable=None) as bar:
@@ -412,12 +432,12 @@ def register(sub) -> None:
                     help="logits (default): a linear map to the router's logits, solved by ridge regression; "
                          "used: the probability that each expert is used, trained on that (calibrated "
                          "probabilities for --prefetch-min-prob)")
-    fp.add_argument("--ridge", type=finite_float, default=1.0,
+    fp.add_argument("--ridge", type=finite_float, default=None,
                     help="logits: ridge regularisation of each map (default: 1.0)")
-    fp.add_argument("--hidden", type=nonneg_int, default=512,
+    fp.add_argument("--hidden", type=nonneg_int, default=None,
                     help="used: units of the maps' hidden layer, 0 for linear maps (default: 512)")
-    fp.add_argument("--epochs", type=positive_int, default=30, help="used: passes over the text (default: 30)")
-    fp.add_argument("--seed", type=seed, default=0,
+    fp.add_argument("--epochs", type=positive_int, default=None, help="used: passes over the text (default: 30)")
+    fp.add_argument("--seed", type=seed, default=None,
                     help="used: seed of the initialisation and the batches, 64 bits (default: 0)")
     fp.add_argument("--held-out", type=finite_float, default=0.1,
                     help="share of the tokens (the last) kept out of the fit to measure recall (default: 0.1)")

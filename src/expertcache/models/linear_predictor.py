@@ -47,16 +47,30 @@ OUTPUTS = ("logits", "used")  # what a map's scores are: router logits (softmax)
 _CHECKSUMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> its routers' checksum
 
 
-def router_checksum(decoder) -> str:
-    """sha256 over the MoE layers' router weights, in layer order (what the maps were fitted to);
-    once per decoder, whose weights do not change (a reload builds a new one)."""
-    if decoder not in _CHECKSUMS:
+def router_checksum(decoder, dtype: torch.dtype | None = None) -> str:
+    """sha256 over the MoE layers' router weights, in layer order (what the maps were fitted to),
+    as the decoder holds them (in `dtype` where given); once per decoder and dtype, whose weights
+    do not change (a reload builds a new one)."""
+    cached = _CHECKSUMS.setdefault(decoder, {})
+    if dtype not in cached:
         digest = hashlib.sha256()
         for layer in decoder.cfg.moe_layers:
-            r = decoder.weights.layers[layer].router
-            digest.update(r.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-        _CHECKSUMS[decoder] = digest.hexdigest()
-    return _CHECKSUMS[decoder]
+            r = decoder.weights.layers[layer].router.detach().to("cpu")
+            r = r if dtype is None else r.to(dtype)
+            digest.update(r.contiguous().view(torch.uint8).numpy().tobytes())
+        cached[dtype] = digest.hexdigest()
+    return cached[dtype]
+
+
+# The compute dtypes a model can be loaded in (`--dtype`): the routers are held in it.
+_ROUTER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def same_routers(decoder, checksum: str) -> bool:
+    """Whether `checksum` (a file's `router_checksum`) names `decoder`'s routers, fitted with the
+    model loaded in any compute dtype: a bf16 checkpoint's routers widened to fp32 (or fp16, where
+    their values fit it) give back their own bytes when narrowed again, so the same routers match."""
+    return any(router_checksum(decoder, dtype) == checksum for dtype in (None, *_ROUTER_DTYPES))
 
 
 @dataclass
@@ -108,7 +122,7 @@ class LinearMaps:
                 raise ExpertCacheError(f"predictor {self.name}: layer {layer} map is {tuple(w.shape)}, expected "
                                        f"({cfg.num_experts}, {inner}) (experts, "
                                        f"{'hidden' if hw is None else 'its hidden layer'})")
-        if router_checksum(decoder) != self.routers:
+        if not same_routers(decoder, self.routers):
             raise ExpertCacheError(f"predictor {self.name} was fitted on another model (its routers differ): "
                                    f"fit one for this model with `expertcache trace fit-predictor`")
 
