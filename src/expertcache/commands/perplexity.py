@@ -20,10 +20,19 @@ def cmd_perplexity(args) -> int:
     if modes and args.cache_mode is not None:
         raise ExpertCacheError("give --cache-mode or --compare, not both")
     text = read_text_file(args.file)
+    # llama-perplexity's -f drops one trailing newline (common/arg.cpp); the text then tokenizes,
+    # and counts, as there.
+    if text.endswith("\n"):
+        text = text[:-1]
     if not text:
         raise ExpertCacheError(f"{args.file}: the file is empty")
     base = cache_config(args)
-    runs, model_path = _measure(args, text, modes or [base.mode], base, labelled=modes is not None)
+    progress: dict = {}  # what the run has done so far, for a Ctrl-C report
+    try:
+        runs, model_path = _measure(args, text, modes or [base.mode], base, modes is not None, progress)
+    except KeyboardInterrupt:
+        print(f"expertcache: perplexity interrupted{_interrupted_at(progress)}", file=sys.stderr)
+        return 130
     header = _header(args, model_path, next(iter(runs.values()))[0])
     if modes is None:
         ((mode, (res, tel)),) = runs.items()
@@ -36,11 +45,24 @@ def cmd_perplexity(args) -> int:
     return _report_compare(args, header, runs)
 
 
-def _measure(args, text: str, modes: list[str], base, labelled: bool):
-    """Run the text once per mode, each with a freshly loaded model; {mode: (result, telemetry)}."""
+def _interrupted_at(progress: dict) -> str:
+    """Where an interrupted run stopped: the chunks done and the PPL over them, if any."""
+    where = f" in {progress['mode']}" if progress.get("mode") else ""
+    done, total = progress.get("done", 0), progress.get("total")
+    if not done:
+        return f"{where} before the first chunk" + (f" of {total}" if total else "")
+    ppl = exp_nll(progress["nll"] / progress["count"])
+    return f"{where} after {done} of {total} chunks (PPL over them {ppl:.4f}, not a final estimate)"
+
+
+def _measure(args, text: str, modes: list[str], base, labelled: bool, progress: dict):
+    """Run the text once per mode, each with a freshly loaded model; {mode: (result, telemetry)}.
+    `progress` follows the running mode's chunks."""
     runs: dict[str, tuple[PerplexityResult, dict]] = {}
     ids = bos_id = path = None
     for mode in modes:
+        progress.clear()  # a mode's load and chunks; none done yet
+        progress["mode"] = mode if labelled else None
         # The size is the cache's and staging's: resident holds every expert and takes none.
         unsized = {"experts": None, "mem": None, "fraction": None} if mode == "resident" else {}
         model = _load(args, dataclasses.replace(base, mode=mode, **unsized))
@@ -50,7 +72,7 @@ def _measure(args, text: str, modes: list[str], base, labelled: bool):
             if args.ctx_size > model.cfg.max_position:
                 print(f"expertcache: warning: the model was trained on only {model.cfg.max_position} context "
                       f"tokens ({args.ctx_size} specified)", file=sys.stderr)
-        runs[mode] = (_run(model, ids, bos_id, args, mode if labelled else None), model.telemetry())
+        runs[mode] = (_run(model, ids, bos_id, args, mode if labelled else None, progress), model.telemetry())
         del model  # one model in memory at a time
     return runs, path
 
@@ -108,19 +130,20 @@ def _tokenize(model, text: str, args) -> tuple[list[int], int | None]:
     return ids, perplexity_bos_id(model.tokenizer)
 
 
-def _run(model, ids, bos_id, args, label: str | None) -> PerplexityResult:
+def _run(model, ids, bos_id, args, label: str | None, state: dict) -> PerplexityResult:
     from tqdm import tqdm
 
     n = num_chunks(len(ids), args.ctx_size, args.chunks)
     desc = f"perplexity [{label}]" if label else "perplexity"
+    state.update(total=n, done=0, nll=0.0, count=0)
     # disable=None: a bar on a terminal only; in a log its carriage returns would be noise.
     with tqdm(total=n, desc=desc, unit="chunk", file=sys.stderr, leave=False, dynamic_ncols=True,
               disable=None) as bar:
-        state = {"nll": 0.0, "count": 0}
 
         def progress(chunk) -> None:
             state["nll"] += chunk.nll
             state["count"] += chunk.count
+            state["done"] += 1
             bar.set_postfix_str(f"ppl {exp_nll(state['nll'] / state['count']):.4f}", refresh=False)
             bar.update(1)
 
