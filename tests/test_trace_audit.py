@@ -87,6 +87,8 @@ def _corrupt_compressed(d):
     (lambda d: _zip(d / "l0.npz", _entries(layer=np.array(0))), "array 'layer' has shape ()"),
     # phases are 0 or 1; any integer dtype is read, so -1 must be refused too
     (lambda d: _zip(d / "ph.npz", _entries(phase=np.array([0, -1]))), "'phase' must be 0 (prefill) or 1"),
+    # an absurd expert count: tables of ops x experts are made from it
+    (lambda d: _zip(d / "ne.npz", _entries({"num_experts": 10**30})), "more than the 1048576 experts"),
     # JSON booleans are not layer indices
     (lambda d: _zip(d / "mb.npz", _entries({"moe_layers": [False, True]})), "'moe_layers' must be"),
 ])

@@ -257,6 +257,10 @@ class TraceRecorder:
                      prob if P else None)
 
 
+# More experts per layer than any MoE has, by far: the header's figure sizes tables of ops x experts.
+MAX_EXPERTS = 1 << 20
+
+
 def _ids_dtype(num_experts: int) -> type:
     return np.uint8 if num_experts <= 256 else np.uint16 if num_experts <= 65536 else np.int32
 
@@ -452,6 +456,9 @@ def _parse_header(raw: np.ndarray, name: str) -> tuple[TraceHeader, int]:
             or layers != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= h["num_layers"]):
         raise ExpertCacheError(f"{name}: header 'moe_layers' must be distinct ascending layer indices "
                                f"below num_layers={h['num_layers']}, got {layers!r}")
+    if h["num_experts"] > MAX_EXPERTS:  # tables of ops x experts are made from it
+        raise ExpertCacheError(f"{name}: header 'num_experts' is {h['num_experts']}, more than the "
+                               f"{MAX_EXPERTS} experts a layer of a trace may have")
     if h["top_k"] > h["num_experts"]:
         raise ExpertCacheError(f"{name}: header top_k={h['top_k']} exceeds num_experts={h['num_experts']}")
     meta = h.get("meta", {})
