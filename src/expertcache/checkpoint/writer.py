@@ -278,8 +278,15 @@ def atomic_output_dir(out: Path, force: bool = False, sources: tuple[Path, ...] 
             raise
 
 
+# Weights in the formats a model directory holds beside safetensors (a hub repository often has
+# PyTorch's too): copied, the packed directory held the source's weights again, unpacked.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
 def copy_side_files(src: Path, dst: Path) -> None:
-    """Tokenizer, chat template and generation config: everything but weights and config.json."""
+    """Tokenizer, chat template and generation config: everything but weights, their indexes
+    and config.json."""
     for p in src.iterdir():
-        if p.is_file() and p.suffix != ".safetensors" and p.name not in ("config.json", "model.safetensors.index.json"):
+        if (p.is_file() and p.suffix not in WEIGHT_SUFFIXES and not p.name.endswith(".index.json")
+                and p.name != "config.json"):
             shutil.copy2(p, dst / p.name)

@@ -33,7 +33,8 @@ def register(sub) -> None:
     p.add_argument("-m", "--model", required=True, help="model to read: a checkpoint directory or a GGUF file")
     p.add_argument("-o", "--output", required=True,
                    help="directory to write (a GGUF model: a .gguf file to write); must not exist")
-    p.add_argument("--dtype", help="dtype of the written weights (default: the checkpoint's; not for GGUF). The copy "
+    p.add_argument("--dtype", help="dtype of the written weights (default: each tensor keeps its own, and the copy "
+                   "computes in the dtype the source computes in; not for GGUF). With it, the copy "
                    "then computes in it by default, so its logits equal the source's loaded with the same --dtype "
                    "where the conversion is exact (to float32); to bfloat16 or float16 weights are rounded, and "
                    "a weight beyond float16's range is an error")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import ExpertCacheError
 from ..models.synth import PRESETS, QUANTS, synth
 from ..flags import positive_int
 from .args import seed
@@ -9,6 +10,10 @@ from .common import writing
 
 
 def cmd_synth(args) -> int:
+    if args.quant is not None and args.dtype is not None:
+        # A GGUF file's weights are the --quant recipe's blocks: --dtype was ignored without a word.
+        raise ExpertCacheError(f"--dtype does not apply to --quant {args.quant}: the GGUF file's weights are "
+                               "its blocks; give one of them")
     with writing(args.output):
         if args.quant is not None:
             from ..models.synth_gguf import synth_gguf
@@ -16,8 +21,8 @@ def cmd_synth(args) -> int:
             out = synth_gguf(args.output, args.like, args.layers, args.experts, args.top_k, args.vocab, args.quant,
                              args.seed, args.force)
         else:
-            out = synth(args.output, args.like, args.layers, args.experts, args.top_k, args.vocab, args.dtype,
-                        args.seed, args.force)
+            out = synth(args.output, args.like, args.layers, args.experts, args.top_k, args.vocab,
+                        args.dtype or "bfloat16", args.seed, args.force)
     print(f"wrote {out}")
     return 0
 
@@ -29,7 +34,7 @@ def register(sub) -> None:
     p.add_argument("--experts", type=positive_int, help="experts per layer (default: the model's)")
     p.add_argument("--top-k", type=positive_int, help="experts per token (default: the model's)")
     p.add_argument("--vocab", type=positive_int, default=4096, help="vocabulary size (default: 4096)")
-    p.add_argument("--dtype", default="bfloat16", help="weight dtype (default: bfloat16)")
+    p.add_argument("--dtype", help="weight dtype (default: bfloat16; not with --quant)")
     p.add_argument("--quant", choices=QUANTS, help="write a GGUF file instead of a safetensors directory: "
                    "q4_k_m (llama.cpp's recipe, random valid blocks) or bf16")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random weights, 64 bits (default: 0)")

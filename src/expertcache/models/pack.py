@@ -41,8 +41,11 @@ def pack(model_dir: str | Path, out: str | Path, dtype=None, force: bool = False
         new_name = name
         if suffix == layout.router:
             new_name = name[: -len(suffix)] + PACKED_LAYOUT.router
-        planned.append(PlannedTensor(new_name, out_dtype, shape,
-                                     lambda n=name: iter([_in_range(n, ckpt.read(n), out_dtype)])))
+        # Without --dtype each tensor keeps its own dtype: a float32 router or norm beside bf16
+        # experts, rounded to theirs, gave other logits than the source's computed in float32.
+        keep = parse_dtype(dtype) or ckpt.info(name).dtype
+        planned.append(PlannedTensor(new_name, keep, shape,
+                                     lambda n=name, keep=keep: iter([_in_range(n, ckpt.read(n), keep)])))
     prefix = names["layer"]
     for layer in cfg.moe_layers:
         src_fmt = source.format(layer)
@@ -64,8 +67,16 @@ def pack(model_dir: str | Path, out: str | Path, dtype=None, force: bool = False
                                      (cfg.num_experts, 3 * cfg.hidden_size * cfg.moe_intermediate_size), experts))
     total = sum(t.nbytes for t in planned)
     raw = json.loads((Path(model_dir) / "config.json").read_text())
-    raw.pop("torch_dtype", None)
-    raw["dtype"] = str(out_dtype).removeprefix("torch.")
+    if dtype is not None:
+        # The copy computes in --dtype: said wherever the config says a dtype, since a multimodal
+        # config's text_config, which the loader reads over the outer keys, overrode the outer one.
+        for c in (raw, raw.get("text_config")):
+            if isinstance(c, dict) and (c is raw or "dtype" in c or "torch_dtype" in c):
+                c.pop("torch_dtype", None)
+                c["dtype"] = str(out_dtype).removeprefix("torch.")
+    # Without --dtype the config is left as it is: the copy computes in the dtype the source does
+    # (its config's; the experts' dtype, written there, made bf16 experts of a float32 config
+    # compute in bf16).
     with atomic_output_dir(Path(out), force, sources=(Path(model_dir),)) as tmp:
         with tqdm(total=total, unit="B", unit_scale=True, desc="packing",
                   disable=None if progress else True) as bar:  # None: a bar only on a terminal

@@ -15,7 +15,7 @@ from ..checkpoint.writer import PlannedTensor, atomic_output_dir, write_safetens
 from ..config import parse_dtype
 from ..errors import ExpertCacheError
 from . import for_model_type
-from .loader import expected_shapes
+from .loader import expected_shapes, optional_shapes
 from .gemma4 import default_layer_types as gemma4_layer_types
 from .qwen3_5_moe import default_layer_types
 
@@ -114,9 +114,11 @@ def synth(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None = 2, 
 
     def random(shape, name):
         def produce():
-            if name.endswith(("norm.weight", "scale")):  # Gemma 4's router and expert scales too
-                # A unit scale: w, or 1 + w where the family adds the 1 (but its gated DeltaNet norm).
-                zero = arch.unit_offset_norms and not name.endswith("linear_attn.norm.weight")
+            if name.endswith(("norm.weight", "scale", "layer_scalar")):  # Gemma 4's scales too
+                # A unit scale: w, or 1 + w where the family adds the 1 to a norm's weight (but its
+                # gated DeltaNet norm's); scales and the layer scalar multiply as they are.
+                zero = (arch.unit_offset_norms and name.endswith("norm.weight")
+                        and not name.endswith("linear_attn.norm.weight"))
                 yield (torch.zeros if zero else torch.ones)(shape, dtype=torch_dtype)
                 return
             # Scaled so that activations keep unit size through the layers.
@@ -124,7 +126,10 @@ def synth(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None = 2, 
             yield (torch.randn(shape, generator=gen) * fan_in ** -0.5).to(torch_dtype)
         return produce
 
-    planned = [PlannedTensor(n, torch_dtype, s, random(s, n)) for n, s in expected_shapes(cfg, arch, layout).items()]
+    # The tensors a checkpoint may leave out too (Gemma 4's layer_scalar): the published checkpoints
+    # hold them, and transformers reported them missing from ours.
+    shapes = {**expected_shapes(cfg, arch, layout), **optional_shapes(cfg, arch)}
+    planned = [PlannedTensor(n, torch_dtype, s, random(s, n)) for n, s in shapes.items()]
     total = sum(t.nbytes for t in planned)
     with atomic_output_dir(Path(out), force) as tmp:
         with tqdm(total=total, unit="B", unit_scale=True, desc="synth",

@@ -100,6 +100,9 @@ def synth_gguf(out: str | Path, like: str = "qwen3-30b-a3b", layers: int | None 
     # written: a file the loader then refuses is no output.
     for_model_type(raw["model_type"], f"--like {like}").config_from_hf(raw)
     out = check_output_file(Path(out), force, "a file written by expertcache", _is_ours)
+    # numpy's generator takes only a non-negative seed, and --seed takes a signed 64-bit one too
+    # (-1 ended in numpy's ValueError): read it as torch reads one, as 64 unsigned bits.
+    seed %= 1 << 64
     if raw["model_type"] == "gemma4_text":
         return _gemma4(out, raw, quant, seed, progress)
     if quant != "q4_k_m":
