@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import signal
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import ExpertCacheError
@@ -18,6 +22,8 @@ def cmd_run(args) -> int:
         raise ExpertCacheError("give exactly one of -p/--prompt, -f/--file or --chat")
     if args.system is not None and not args.chat:  # it would be dropped without a word
         raise ExpertCacheError("--system applies only to --chat (with -p or -f, put it in the prompt)")
+    if args.json and args.chat:  # it would be dropped without a word: a chat streams its answers
+        raise ExpertCacheError("--json applies only to -p/--prompt or -f/--file, not to --chat")
     prompt = read_text_file(args.file) if args.file else args.prompt
     sampling = sampling_options(args)
     _check_tokenizer_file(args.model)
@@ -36,8 +42,14 @@ def cmd_run(args) -> int:
         sys.stdout.write(prompt)
         sys.stdout.flush()
 
-    with PrefillBar(then=None if args.json else echo) as bar:
-        res = model.generate(prompt, on_text=None if args.json else stream, progress=bar, **gen)
+    try:
+        with PrefillBar(then=None if args.json else echo) as bar:
+            res = model.generate(prompt, on_text=None if args.json else stream, progress=bar, **gen)
+    except KeyboardInterrupt:
+        if not args.json:  # the text streamed so far ends its line, as a finished one does
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
     if args.json:
         print(json.dumps(_result_json(model, res)))
     else:
@@ -75,35 +87,118 @@ def _result_json(model, res) -> dict:
 
 
 def _chat_loop(model, gen, args) -> int:
+    """One user message per line of stdin, each answered in turn in one session, so that each
+    turn reuses the KV state of the turns before it. On a terminal a person is at the keyboard:
+    Ctrl-C stops the answer (the conversation goes on), and a line the chat cannot take is said
+    and skipped; from a pipe (a script), such a line is an error, as with -p."""
     model.tokenizer.check_chat_template()  # said before the user types, not after
-    messages = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []  # user and assistant messages, alternating, oldest first
     session = model.new_session()
     interactive = sys.stdin.isatty()
+    # Room kept for an answer when the conversation grows past the context; at most half of it,
+    # so that a large -n does not drop the whole conversation at every turn.
+    room = min(args.n_predict, model.ctx_size // 2)
+    number = 0
     while True:
         if interactive:
             sys.stdout.write("> ")
             sys.stdout.flush()
-        line = sys.stdin.readline()
-        if not line:
+        try:
+            raw = _read_line()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat; the shell's prompt then starts a line
+            if interactive:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            raise
+        if not raw:
+            if interactive:  # Ctrl-D: the shell's prompt then starts a line of its own
+                sys.stdout.write("\n")
+                sys.stdout.flush()
             break
+        number += 1
+        try:
+            line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        except UnicodeDecodeError as e:
+            _refuse(f"line {number} of stdin is not valid UTF-8 (byte {e.start})", interactive)
+            continue
         line = line.rstrip("\r\n")  # CRLF too (Windows, a pasted file): no message ends in a stray "\r"
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
-        ids = model.tokenizer.encode_chat(messages)
+        user = {"role": "user", "content": line}
+        ids = model.tokenizer.encode_chat(system + [user])
+        if len(ids) > model.ctx_size:
+            _refuse(f"line {number}: this message takes {len(ids)} tokens with the chat template, more than the "
+                    f"context of {model.ctx_size} tokens (raise -c/--ctx-size or shorten it)",
+                    interactive)
+            continue
+        ids = model.tokenizer.encode_chat(system + history + [user])
+        dropped = 0
+        # A conversation that outgrew the context loses its oldest exchanges, as chat tools do,
+        # rather than ending: the user can go on.
+        while history and len(ids) + room > model.ctx_size:
+            del history[:2]
+            dropped += 1
+            ids = model.tokenizer.encode_chat(system + history + [user])
+        if dropped:
+            sys.stdout.flush()
+            what = "its oldest exchange was" if dropped == 1 else f"its {dropped} oldest exchanges were"
+            print(f"expertcache: the conversation outgrew the context of {model.ctx_size} tokens: {what} "
+                  "dropped (raise -c/--ctx-size to keep more)",
+                  file=sys.stderr, flush=True)
 
         def stream(piece: str) -> None:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        with PrefillBar() as bar:
-            res = model.generate(ids, session=session, on_text=stream, progress=bar, **gen)
+        with PrefillBar() as bar, _ctrl_c_stops(interactive) as stopped:
+            res = model.generate(ids, session=session, on_text=stream, progress=bar, should_stop=stopped, **gen)
         sys.stdout.write("\n")
+        sys.stdout.flush()
+        if res.finish_reason == "abort" and not res.token_ids:
+            continue  # stopped before any answer: the message goes unanswered, and is not kept
         _context_notice(model, res, args.n_predict)
-        messages.append({"role": "assistant", "content": res.text})
+        history += [user, {"role": "assistant", "content": res.text}]
     return 0
+
+
+def _read_line():
+    """The next line of stdin as bytes (decoded by the caller, which says where a byte is not
+    UTF-8, where the text layer would raise or smuggle in surrogates); b"" at its end."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    return buffer.readline() if buffer is not None else sys.stdin.readline()
+
+
+def _refuse(message: str, interactive: bool) -> None:
+    """A line the chat cannot take: at a terminal, said on one line and skipped; from a pipe,
+    an error (one line, exit code 2)."""
+    if not interactive:
+        raise ExpertCacheError(message)
+    sys.stdout.flush()
+    print(f"expertcache: {message}; it was not sent", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops(interactive: bool) -> Iterator[Callable[[], bool] | None]:
+    """While an answer is generated at a terminal, Ctrl-C stops it at the next token (or
+    micro-batch of its prompt) instead of ending the chat, and the session stays consistent
+    (an interrupt inside a forward would leave part of a token's KV state written); a second
+    Ctrl-C before the answer stops ends the chat. Yields generate's `should_stop`."""
+    if not interactive or threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    pressed = []
+
+    def on_sigint(signum, frame) -> None:
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(True)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield lambda: bool(pressed)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def cmd_info(args) -> int:
@@ -227,7 +322,8 @@ def register(sub) -> None:
     add_cache_flags(r)
     r.add_argument("-p", "--prompt", help="prompt text")
     r.add_argument("-f", "--file", help="read the prompt from a UTF-8 file")
-    r.add_argument("--chat", action="store_true", help="chat: one user message per line on stdin")
+    r.add_argument("--chat", action="store_true", help="chat: one user message per line on stdin (at a terminal, "
+                                                        "Ctrl-C stops an answer and Ctrl-D ends the chat)")
     r.add_argument("--system", help="system message for --chat")
     r.add_argument("-n", "--n-predict", type=nonneg_int, default=128, help="tokens to generate (default: 128)")
     add_sampling_flags(r)
