@@ -155,7 +155,9 @@ function receive(s) {
   if (!frame) frame = requestAnimationFrame(render);
 }
 
-export async function startCache() {
+// `onConnect` runs each time the stream (re)connects: the server may have been restarted with
+// another model or other flags, so what the page shows about it is read again.
+export async function startCache(onConnect = () => {}) {
   let backoff = 500;
   for (;;) {
     const ctrl = new AbortController();
@@ -166,6 +168,7 @@ export async function startCache() {
       if (!r.ok) throw new Error(`HTTP ${r.status}`);
       watch();
       setOnline(true);
+      onConnect();
       backoff = 500;
       for await (const data of events(r, watch)) receive(JSON.parse(data));
       throw new Error("the event stream ended");

@@ -9,14 +9,18 @@ const STORE = "expertcache.settings";
 
 let history = [];     // {role, content} of finished turns
 let running = null;   // the AbortController of the reply in progress
+let conversation = 0; // counts "New chat": a reply that ends after one belongs to a conversation gone
 
 function loadSettings() {
   let saved = {};
   try { saved = JSON.parse(localStorage.getItem(STORE) || "{}"); } catch { /* start afresh */ }
   for (const id of SETTINGS) if (id in saved) $(id).value = saved[id];
-  for (const id of SETTINGS) $(id).addEventListener("change", () => {
+  const save = () => {
     localStorage.setItem(STORE, JSON.stringify(Object.fromEntries(SETTINGS.map((k) => [k, $(k).value]))));
-  });
+  };
+  // Saved as typed ("input"), not only when the field loses focus ("change"): a reload or a closed
+  // tab fires no "change", and the value being typed would be lost.
+  for (const id of SETTINGS) for (const ev of ["input", "change"]) $(id).addEventListener(ev, save);
 }
 
 function number(id, fallback) {
@@ -35,6 +39,18 @@ function request(messages) {
   return body;
 }
 
+// Whether the conversation is scrolled to its end (within a few pixels): only then does new text
+// keep it there, so a reader who scrolled up to an earlier part is not pulled back.
+function atEnd() {
+  const m = $("messages");
+  return m.scrollHeight - m.scrollTop - m.clientHeight < 8;
+}
+
+function toEnd() {
+  const m = $("messages");
+  m.scrollTop = m.scrollHeight;
+}
+
 function bubble(role, text = "") {
   const div = document.createElement("div");
   div.className = `msg ${role}`;
@@ -43,7 +59,7 @@ function bubble(role, text = "") {
   t.textContent = text;
   div.append(t);
   $("messages").append(div);
-  div.scrollIntoView({ block: "end" });
+  toEnd();
   return div;
 }
 
@@ -69,6 +85,7 @@ function fail(div, message) {
 }
 
 async function send(text) {
+  const mine = conversation;
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({ role: "system", content: system });
@@ -82,6 +99,16 @@ async function send(text) {
   $("stop").disabled = false;
   let answer = "";
   let finished = false;
+  // The text is drawn once per animation frame, not once per piece: each draw lays out the whole
+  // reply, so drawing every piece of a long answer costs quadratic time and freezes the page.
+  let frame = 0;
+  const draw = () => {
+    frame = 0;
+    if (out.textContent === answer) return;
+    const follow = atEnd();
+    out.textContent = answer;
+    if (follow) toEnd();
+  };
   try {
     const r = await api("v1/chat/completions", {
       method: "POST", headers: { "Content-Type": "application/json" },
@@ -100,21 +127,30 @@ async function send(text) {
       const piece = choice && choice.delta && choice.delta.content;
       if (piece) {
         answer += piece;
-        out.textContent = answer;
-        div.scrollIntoView({ block: "end" });
+        if (!frame) frame = requestAnimationFrame(draw);
       }
-      if (chunk.timings) showTimings(div, chunk.timings);
+      if (chunk.timings) {
+        const follow = atEnd();
+        draw();
+        showTimings(div, chunk.timings);
+        if (follow) toEnd();
+      }
       if (choice && choice.finish_reason) div.dataset.finish = choice.finish_reason;
     }
     if (!finished) throw new Error("the stream ended early");
   } catch (e) {
     fail(div, e.name === "AbortError" ? "stopped" : `error: ${e.message}`);
   } finally {
+    cancelAnimationFrame(frame);
+    draw();
     running = null;
     $("send").disabled = false;
     $("stop").disabled = true;
     div.dataset.done = "true";
   }
+  // After "New chat" the reply (aborted by it) and its message belong to no conversation: they
+  // neither join the new one's history nor come back into the message box.
+  if (mine !== conversation) return;
   // A stopped reply stays in the conversation as far as it got, as in llama-server's page.
   if (answer || finished) history.push({ role: "user", content: text }, { role: "assistant", content: answer });
   else { $("prompt").value = $("prompt").value || text; div.previousElementSibling.remove(); }
@@ -137,6 +173,7 @@ export function startChat() {
   });
   $("stop").addEventListener("click", () => running && running.abort());
   $("clear").addEventListener("click", () => {
+    conversation++;
     if (running) running.abort();
     history = [];
     $("messages").replaceChildren();

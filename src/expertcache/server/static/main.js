@@ -21,5 +21,4 @@ async function showModel() {
 }
 
 startChat();
-startCache();
-showModel();
+startCache(showModel);  // on every (re)connect: a restarted server may serve another model, context or slots
