@@ -181,10 +181,20 @@ def test_fit_predictor_command(tmp_path, capsys):
     assert not (tmp_path / "q.safetensors").exists()
 
 
+def rewrite_router(path: Path) -> None:
+    """Rewrite the checkpoint at `path` with layer 0's router changed (its rows reversed)."""
+    from safetensors.torch import load_file, save_file
+
+    f = next(path.glob("*.safetensors"))
+    tensors = load_file(f)
+    name = next(k for k in tensors if k.endswith("layers.0.mlp.gate.weight"))
+    tensors[name] = tensors[name].flip(0).contiguous()
+    f.unlink()
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
 def test_a_reload_with_other_routers_falls_back_to_the_routers(tmp_path, capsys):
     import shutil
-
-    from safetensors.torch import load_file, save_file
 
     path = shutil.copytree(ASSETS / "tiny-qwen3-moe", tmp_path / "m")
     model = expertcache.load(path, cache=CacheConfig(fraction=0.25, prefetch="on", predictor=str(BUNDLED_MAPS)))
@@ -192,12 +202,7 @@ def test_a_reload_with_other_routers_falls_back_to_the_routers(tmp_path, capsys)
     assert model.experts.predict.own.name.startswith("linear:")
     # The checkpoint rewritten with one router changed: the maps no longer fit; the model reloads,
     # says so once, and predicts with the routers; the logits are the new weights' own.
-    f = next(path.glob("*.safetensors"))
-    tensors = load_file(f)
-    name = next(k for k in tensors if k.endswith("mlp.gate.weight"))
-    tensors[name] = tensors[name].flip(0).contiguous()
-    f.unlink()
-    save_file(tensors, f, metadata={"format": "pt"})
+    rewrite_router(path)
     capsys.readouterr()
     got = model.logits(IDS)
     err = capsys.readouterr().err

@@ -16,6 +16,7 @@ from expertcache import CacheConfig
 from expertcache.bench.simulate import simulate
 from expertcache.bench.trace import TraceRecorder
 from conftest import assert_one_line_error, run_cli
+from test_linear_predictor import rewrite_router
 
 ASSETS = Path(expertcache.__file__).parent / "assets"
 BUNDLED_MAPS = ASSETS / "tiny-qwen3-moe.predictor.safetensors"
@@ -47,17 +48,6 @@ def test_a_prompt_stopped_part_way_is_recorded_as_prefill():
     assert trace.decode_tokens() == 0 and trace.prefill_tokens() == sum(n for _, n in seen)
 
 
-def _rewrite_router(path: Path) -> None:
-    from safetensors.torch import load_file, save_file
-
-    f = next(path.glob("*.safetensors"))
-    tensors = load_file(f)
-    name = next(k for k in tensors if k.endswith("layers.0.mlp.gate.weight"))
-    tensors[name] = tensors[name].flip(0).contiguous()
-    f.unlink()
-    save_file(tensors, f, metadata={"format": "pt"})
-
-
 def test_a_checkpoint_rewritten_between_recorded_calls(tmp_path):
     path = shutil.copytree(ASSETS / "tiny-qwen3-moe", tmp_path / "m")
     cache = CacheConfig(fraction=0.25, prefetch="on")
@@ -65,7 +55,7 @@ def test_a_checkpoint_rewritten_between_recorded_calls(tmp_path):
     rec = TraceRecorder.for_model(model, predict=True)
     rec.generate(model, PROMPT[:6], max_tokens=3, ignore_eos=True)
     before = rec.trace()
-    _rewrite_router(path)
+    rewrite_router(path)
     rec.generate(model, PROMPT[:6], max_tokens=3, ignore_eos=True)
     trace = rec.trace()
     # The reference: the rewritten checkpoint loaded afresh and recorded once.
@@ -121,7 +111,7 @@ def test_maps_of_other_routers_are_still_refused_in_every_dtype(tmp_path, capsys
 
     maps = LinearMaps.load(BUNDLED_MAPS)
     path = shutil.copytree(ASSETS / "tiny-qwen3-moe", tmp_path / "m")
-    _rewrite_router(path)
+    rewrite_router(path)
     for dtype in ("float32", "bfloat16"):
         code, err = run_cli(capsys, "run", "-m", str(path), "-p", "hi", "-n", "1", "--dtype", dtype,
                             "--cache-fraction", "0.5", "--predictor", str(BUNDLED_MAPS))
