@@ -68,10 +68,11 @@ class RopeConfig:
             _check_int("original_max_position", self.original_max_position, 1)
 
     @classmethod
-    def from_hf(cls, raw: dict, max_position: int) -> RopeConfig:
+    def from_hf(cls, raw: dict, max_position: int, default_theta: float = 10000.0) -> RopeConfig:
         # transformers 5.x: rope_parameters {rope_type, rope_theta, ...};
         # 4.x: rope_theta at top level and an optional rope_scaling {type|rope_type, factor, ...}.
         # Each value is checked here, under the key the config gives it, before `inv_freq` uses it.
+        # `default_theta`: the family's theta where the config gives none (transformers' `default_theta`).
         given = {}
         for section in ("rope_scaling", "rope_parameters"):
             value = raw.get(section)
@@ -79,6 +80,12 @@ class RopeConfig:
                 raise ExpertCacheError(f"{section} {value!r}: expected a JSON object of RoPE parameters "
                                        "(rope_type, factor, ...)")
             given.update({k: (f"{section}.{k}", v) for k, v in (value or {}).items()})
+        both = [raw.get(s) for s in ("rope_scaling", "rope_parameters")]
+        if all(both) and _rope_keys(both[0]) != _rope_keys(both[1]):
+            # A 5.x config with a 4.x rope_scaling added by hand (as model cards say to enable YaRN):
+            # transformers then reads rope_scaling alone, dropping rope_parameters' rope_theta too.
+            raise ExpertCacheError(f"rope_scaling {both[0]!r} and rope_parameters {both[1]!r} disagree "
+                                   "(transformers reads rope_scaling alone): give the RoPE parameters in one of them")
 
         def key(name: str, *fallbacks: str, top: bool = False) -> tuple[str, object]:
             """(the key as the config spells it, its value): the first of `name` and `fallbacks`
@@ -98,7 +105,7 @@ class RopeConfig:
         kind = key("rope_type", "type")[1] or "default"
         if kind not in ("default", "linear", "yarn"):
             raise ExpertCacheError(f"unsupported rope type {kind!r}: expected default, linear or yarn")
-        theta = number("rope_theta", 10000.0, top=True)
+        theta = number("rope_theta", default_theta, top=True)
         factor = number("factor")
         original = None
         if kind == "yarn":
@@ -158,6 +165,12 @@ class RopeConfig:
         return inv, float(attention)
 
 
+def _rope_keys(section: dict) -> dict:
+    """A RoPE section with 4.x's `type` read as `rope_type`, as transformers reads it."""
+    out = {("rope_type" if k == "type" else k): v for k, v in section.items()}
+    return out | {"rope_type": section.get("rope_type", section.get("type", "default"))}
+
+
 # The gated MLP activations the decoder implements (`kernels.ACTIVATIONS`).
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
@@ -194,6 +207,8 @@ class ModelConfig:
     sparse_layers: tuple[bool, ...] = ()
     shared_expert_intermediate_size: int = 0
     sliding_window: int | None = None
+    # Per layer, whether `sliding_window` applies to it (Qwen2-MoE's layer_types); () every layer.
+    sliding_layers: tuple[bool, ...] = ()
     dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -226,6 +241,8 @@ class ModelConfig:
             raise ExpertCacheError("intermediate_size must be at least 1 when some layers are dense")
         if self.sliding_window is not None:
             _check_int("sliding_window", self.sliding_window, 1)
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            raise ExpertCacheError(f"{len(self.sliding_layers)} sliding-window flags for {self.num_layers} layers")
         if self.clip_qkv is not None and not (isinstance(self.clip_qkv, float) and self.clip_qkv > 0):
             raise ExpertCacheError(f"clip_qkv {self.clip_qkv!r} must be a positive number")
         for t in self.eos_token_id:
@@ -235,6 +252,12 @@ class ModelConfig:
                                                   and 0 <= self.bos_token_id < self.vocab_size):
             raise ExpertCacheError(
                 f"bos_token_id {self.bos_token_id!r} is not a token id of the vocabulary of {self.vocab_size}")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of `layer`'s attention, or None where it attends to every position."""
+        if self.sliding_window is None or (self.sliding_layers and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
 
     @property
     def moe_layers(self) -> list[int]:

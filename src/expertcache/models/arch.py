@@ -89,6 +89,13 @@ class Architecture:
     clip_qkv: ClassVar[Key | None] = None
     shared_expert_width: ClassVar[Key | None] = None
     sliding_window_switch: ClassVar[str | None] = "use_sliding_window"  # None: a window always applies
+    # False: the family's attention never slides, whatever `sliding_window` says (OLMoE's mask is
+    # always the causal one).
+    slides: ClassVar[bool] = True
+    # What transformers' config class takes where a config.json leaves the key out.
+    default_rope_theta: ClassVar[float] = 10000.0
+    default_rms_norm_eps: ClassVar[float] = 1e-6
+    default_max_position: ClassVar[int] = 4096
     router_weights_fp32: ClassVar[bool] = False
     # Norms scale by 1 + w, computed and applied in fp32 (Qwen3.5); the loader adds the 1.
     unit_offset_norms: ClassVar[bool] = False
@@ -108,6 +115,12 @@ class Architecture:
         otherwise."""
         attention = Attention(cfg, cls.names(cfg))
         return (attention,) * cfg.num_layers
+
+    @classmethod
+    def sliding_layers(cls, raw: dict, layers: int) -> tuple[bool, ...]:
+        """Which layers the sliding window applies to, where it does not apply to all: () (all)
+        unless a family says otherwise (Qwen2-MoE's `layer_types`)."""
+        return ()
 
     @classmethod
     def block(cls, cfg: ModelConfig):
@@ -165,7 +178,7 @@ class Architecture:
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         layers = need("num_hidden_layers")
-        max_position = raw.get("max_position_embeddings", 4096)
+        max_position = raw.get("max_position_embeddings", cls.default_max_position)
         # transformers 5.x writes num_local_experts for every family; 4.x wrote num_experts for Qwen/OLMoE.
         experts = Key(("num_experts", "num_local_experts")).read(raw)
         if experts is None:
@@ -192,7 +205,7 @@ class Architecture:
         eos = raw.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         sliding = raw.get("sliding_window")
-        if cls.sliding_window_switch is not None and not raw.get(cls.sliding_window_switch):
+        if not cls.slides or (cls.sliding_window_switch is not None and not raw.get(cls.sliding_window_switch)):
             sliding = None
         clip = get(cls.clip_qkv) if cls.clip_qkv is not None else None
         heads_ok = isinstance(hidden, int) and isinstance(heads, int) and heads > 0
@@ -208,9 +221,9 @@ class Architecture:
             top_k=need("num_experts_per_tok"),
             moe_intermediate_size=width,
             intermediate_size=get(cls.dense_width) if cls.dense_layers else 0,
-            rms_norm_eps=_as_float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_as_float(raw.get("rms_norm_eps", cls.default_rms_norm_eps)),
             max_position=max_position,
-            rope=RopeConfig.from_hf(raw, max_position),
+            rope=RopeConfig.from_hf(raw, max_position, cls.default_rope_theta),
             norm_topk_prob=bool(get(cls.norm_topk_prob)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=bool(get(cls.qkv_bias)),
@@ -220,6 +233,7 @@ class Architecture:
             sparse_layers=sparse,
             shared_expert_intermediate_size=get(cls.shared_expert_width) or 0 if cls.shared_expert_width else 0,
             sliding_window=sliding or None,
+            sliding_layers=cls.sliding_layers(raw, layers) if sliding else (),
             dtype=parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32", "checkpoint dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos,

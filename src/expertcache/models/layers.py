@@ -175,9 +175,10 @@ def attention(k: Kernels, cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor
     T = x.shape[0]
     H, G, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
+    window = cfg.window_of(layer)
     native = k.native
     linear, rms_norm = k.linear, k.rms_norm
-    if (native is not None and T == 1 and cfg.sliding_window is None
+    if (native is not None and T == 1 and window is None
             and cfg.qk_norm in ("none", "head") and cfg.clip_qkv is None):
         # Everything between the two projections in one call: q/k norm, rotary, the cache append
         # and attention over the cache (see native/decode.cpp).
@@ -203,7 +204,7 @@ def attention(k: Kernels, cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor
     P = kv.length
     keys, values = kv.append(layer, k, v)           # [G, P+T, Dh]
     R = H // G
-    if T == 1 and cfg.sliding_window is None:
+    if T == 1 and window is None:
         # Decode: the R query heads sharing a key/value head are stacked along the query axis of
         # their group, so the cache is read once per group and never copied per head. 4-D inputs
         # select the fused CPU kernel, 2-3x faster here than the 3-D math path.
@@ -213,7 +214,7 @@ def attention(k: Kernels, cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor
     # enable_gqa: the kernel maps each query head to its group's keys and values, where repeating
     # them per head allocated 2 x H x context x Dh per call (98 MB at 6,000 tokens of
     # Qwen3-30B-A3B's shapes), bit for bit the same result.
-    if P == 0 and cfg.sliding_window is None:
+    if P == 0 and window is None:
         # A fresh prompt: the fused causal kernel, no mask tensor.
         # (4-D inputs select the fused CPU kernel.)
         out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True,
@@ -222,8 +223,8 @@ def attention(k: Kernels, cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor
         qpos = torch.arange(P, P + T, device=x.device)[:, None]  # [T, 1]
         kpos = torch.arange(P + T, device=x.device)[None, :]     # [1, P+T]
         allowed = kpos <= qpos
-        if cfg.sliding_window is not None:
-            allowed &= kpos > qpos - cfg.sliding_window
+        if window is not None:
+            allowed &= kpos > qpos - window
         out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed,
                                              scale=Dh ** -0.5, enable_gqa=R > 1)[0]  # [H, T, Dh]
     out = out.transpose(0, 1).reshape(T, H * Dh)                 # [T, H*Dh]

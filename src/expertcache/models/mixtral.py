@@ -1,5 +1,6 @@
 """Mixtral: experts named w1 (gate), w3 (up), w2 (down) under `block_sparse_moe`; the top-k
-routing weights are always renormalised and kept in fp32; a sliding window whenever one is set.
+routing weights are always renormalised and kept in fp32; a sliding window whenever one is set; no
+attention biases (transformers' Mixtral has none, whatever `attention_bias` says).
 llama.cpp writes Mixtral as `llama` with an expert count, which tells it apart from a dense Llama."""
 
 from .arch import Architecture, ExpertLayout, Key
@@ -16,9 +17,14 @@ class Mixtral(Architecture):
                      down="mlp.experts.down_proj"),
     )
     expert_width = Key("intermediate_size")
+    qkv_bias = False
     norm_topk_prob = True
     sliding_window_switch = None
     router_weights_fp32 = True
+    # transformers' MixtralConfig defaults, for a config.json that leaves these out.
+    default_rope_theta = 1e6
+    default_rms_norm_eps = 1e-5
+    default_max_position = 4096 * 32
 
     gguf_norm_topk_prob = True
 

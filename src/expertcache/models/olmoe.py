@@ -1,5 +1,6 @@
 """OLMoE: QK-norm over the whole projection width (not per head), optional clip_qkv; the expert
-width is `intermediate_size` and every layer is MoE."""
+width is `intermediate_size`, every layer is MoE, and attention never slides (transformers builds
+OLMoE's mask causal whatever `sliding_window` a config holds)."""
 
 from .arch import Architecture, Key
 from .qwen3_moe import QWEN_EXPERT_LAYOUTS
@@ -13,3 +14,5 @@ class Olmoe(Architecture):
     o_bias = Key("attention_bias", False)
     qk_norm = "full"
     clip_qkv = Key("clip_qkv")
+    slides = False
+    default_rms_norm_eps = 1e-5

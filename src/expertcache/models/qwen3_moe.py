@@ -19,3 +19,4 @@ class Qwen3Moe(Architecture):
     o_bias = Key("attention_bias", False)
     qk_norm = "head"
     gguf_norm_topk_prob = True
+    default_max_position = 32768
