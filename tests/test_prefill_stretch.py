@@ -116,6 +116,9 @@ def test_a_stretch_over_the_memory_allowed_is_cut_with_one_notice(capsys):
     assert plan_stretch(1000, 4096, 10**7) == 4096
     assert capsys.readouterr().err == ""
     assert plan_stretch(1000, 4096, 10**6) == 1000
+    # Below one token's activations no stretch keeps to the budget: refused, not run over it.
+    with pytest.raises(ExpertCacheError, match="less than one token's activations"):
+        plan_stretch(1000, 4096, 999)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cut from 4096 to 1000 tokens" in err and "--prefill-mem" in err
     model = expertcache.load(prefill_mem=20 * expertcache.load().net.activation_bytes(1))

@@ -114,13 +114,21 @@ class PrefillStats:
 def plan_stretch(bytes_per_token: int, stretch: int, mem: int) -> int:
     """The prefill stretch: `stretch` tokens, or fewer (with one notice line) when their
     activations, `bytes_per_token` each, would take more than `mem` bytes."""
-    fit = max(1, mem // max(1, bytes_per_token))
+    if mem < bytes_per_token:  # not even one token fits: a 1-token stretch would still exceed it
+        raise ExpertCacheError(f"prefill-mem {mem} bytes is less than one token's activations "
+                               f"({bytes_per_token} bytes) for this model")
+    fit = mem // max(1, bytes_per_token)
     if stretch <= fit:
         return stretch
     print(f"expertcache: prefill stretch cut from {stretch} to {fit} tokens: {stretch} would need "
-          f"{stretch * bytes_per_token / 2**20:.0f} MiB of activations, over the {mem / 2**20:.0f} MiB "
-          "allowed (--prefill-mem)", file=sys.stderr, flush=True)
+          f"{_mib(stretch * bytes_per_token)} of activations, over the {_mib(mem)} allowed (--prefill-mem)",
+          file=sys.stderr, flush=True)
     return fit
+
+
+def _mib(n: int) -> str:
+    """Bytes in MiB, or KiB below one MiB (a small budget read '0 MiB')."""
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 @dataclass(frozen=True)

@@ -226,16 +226,25 @@ class Decoder:
 
     def activation_bytes(self, tokens: int) -> int:
         """Memory a forward of `tokens` tokens needs beyond the weights and the KV cache: the
-        residual stream and its per-layer temporaries, the MoE op's buffers (`Workspace`) and
-        the router's probabilities. Attention's own buffers, bounded by the micro-batch, are not
-        counted."""
+        residual stream and its per-layer temporaries, the RMSNorm's fp32 temporaries, the
+        largest feed-forward intermediate, the MoE op's buffers (`Workspace`) and the router's
+        probabilities. Attention's own buffers, bounded by the micro-batch, are not counted."""
         cfg = self.cfg
         item = torch.empty((), dtype=self.dtype).element_size()
         D, A, E = cfg.hidden_size, cfg.top_k, cfg.num_experts
-        widths = [lw.dense.gate_up.shape[0] for lw in self.weights.layers if lw.dense is not None]
-        stream = 6 * D + max(widths, default=0)      # h, x, mixer output, y, temporaries, a dense MLP
+        stream = 6 * D                               # h, x, mixer output, y, temporaries
+        # A norm in a narrower dtype squares and scales an fp32 copy of its input: three fp32
+        # [T, D] at once (measured on Qwen3.5 and Gemma 4 shapes in bf16; the two they lacked
+        # put a stretch 13% over --prefill-mem).
+        norm = 3 * D * 4 if item < 4 else 0
+        # A gated MLP holds its gate-up product [T, 2I], the activation [T, I] and their
+        # product [T, I] at once: twice the gate-up width. An expert may take every token of
+        # the op (each token names it at most once), so its width counts as a whole stretch's.
+        mlps = [m for lw in self.weights.layers
+                for m in (lw.dense, lw.shared, getattr(lw.block_w, "dense", None)) if m is not None]
+        ffn = 2 * max([m.gate_up.shape[0] for m in mlps] + [2 * cfg.moe_intermediate_size])
         moe = OP_BUFFERS * A * D * item + 3 * A * 8  # the op's buffers, its index arrays
-        return tokens * (stream * item + moe + 2 * E * 4)
+        return tokens * ((stream + ffn) * item + norm + moe + 2 * E * 4)
 
     def hooked(self, layer: int, routing: Routing) -> Routing:
         """A layer's routing after the override and the hook (benchmarks, traces) saw it."""
