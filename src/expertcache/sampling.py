@@ -60,19 +60,19 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [V] -> token id."""
         p = self.p
-        top = float(logits.max())  # NaN anywhere makes it NaN
-        if not math.isfinite(top):
-            raise NonFiniteLogitsError(f"the model's logits hold {top} (an overflow in the forward pass, as fp16 "
-                                       f"can give): no token can be chosen; try --dtype bfloat16 or float32")
         if p.temperature == 0:
-            return int(torch.argmax(logits))
+            i = int(torch.argmax(logits))  # a NaN or +inf anywhere is where argmax lands
+            _check_finite(float(logits[i]))
+            return i
         logits = logits.float()
+        top = logits.max()  # NaN anywhere makes it NaN
+        _check_finite(float(top))
         if p.top_k and p.top_k < logits.shape[0]:
             logits = logits.masked_fill(~_top_k_mask(logits, int(p.top_k)), float("-inf"))
         # Shifted so that the largest logit is 0 before dividing, and the temperature kept a normal
         # float32: however small the temperature, the others go to -inf at worst (probability 0)
-        # and nothing becomes +inf or NaN (0 / 0).
-        logits = (logits - logits.max()) / max(p.temperature, _TINY)
+        # and nothing becomes +inf or NaN (0 / 0). (top-k keeps the largest.)
+        logits = (logits - top) / max(p.temperature, _TINY)
         probs = torch.softmax(logits, dim=-1)
         if p.top_p < 1.0:
             sorted_p, idx = torch.sort(probs, descending=True)
@@ -84,6 +84,13 @@ class Sampler:
         if p.min_p > 0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         return int(torch.multinomial(probs.cpu(), 1, generator=self.gen))
+
+
+def _check_finite(top: float) -> None:
+    """The largest logit, NaN where any is: none can be chosen from logits that overflowed."""
+    if not math.isfinite(top):
+        raise NonFiniteLogitsError(f"the model's logits hold {top} (an overflow in the forward pass, as fp16 "
+                                   f"can give): no token can be chosen; try --dtype bfloat16 or float32")
 
 
 def _top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:

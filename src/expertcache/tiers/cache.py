@@ -129,21 +129,27 @@ class ExpertCache:
             raise ExpertCacheError(f"cannot allocate {capacity} expert slots "
                                    f"({capacity * self.slot_bytes / 2**20:.0f} MiB): {e}") from None
         self.capacity, self.pool = capacity, pool
-        self._pending: dict[int, tuple[CopyJob, int]] = {}  # slot -> the prefetch copy planned into it
         self._op_reads: Set[tuple[int, ExpertKey]] = frozenset()  # (slot, key) the op in flight reads
-        self._jobs: list[CopyJob] = []  # prefetch jobs submitted and not yet reaped
         # Each slot's views in each layer format, made once: they stay valid as long as the pool.
         by_format: dict[ExpertFormat, list[ExpertWeights]] = {}
         for fmt in self.formats.values():
             if fmt not in by_format:
                 by_format[fmt] = [expert_weights(row, fmt) for row in self.pool]
         self.views = {layer: by_format[fmt] for layer, fmt in self.formats.items()}
-        self.residency = Residency(capacity, make_policy(self.config.policy, capacity))
-        self.content: list[SlotContent | None] = [None] * capacity
-        self.checksums: list[int | None] = [None] * capacity
+        self._empty()
         self.transfers = Transfers(self.device, capacity)
         if self.mode == "resident":
             self._fill_all()
+
+    def _empty(self) -> None:
+        """Every slot empty, with new bookkeeping (its op count too: no prefetch before a first
+        op) and no prefetch copy planned."""
+        capacity = self.capacity
+        self._pending: dict[int, tuple[CopyJob, int]] = {}  # slot -> the prefetch copy planned into it
+        self._jobs: list[CopyJob] = []  # prefetch jobs submitted and not yet reaped
+        self.residency = Residency(capacity, make_policy(self.config.policy, capacity))
+        self.content: list[SlotContent | None] = [None] * capacity
+        self.checksums: list[int | None] = [None] * capacity
 
     def _fill_all(self) -> None:
         """Resident mode: every expert in its slot before the first op (counted as load copies)."""
@@ -195,12 +201,8 @@ class ExpertCache:
         The counters go on."""
         if self.mode == "resident":
             return
-        self.quiesce()
-        self._pending, self._jobs = {}, []  # every copy has ended; no slot holds what they planned
-        # New bookkeeping, as `_allocate` makes: its op count too (no prefetch before a first op).
-        self.residency = Residency(self.capacity, make_policy(self.config.policy, self.capacity))
-        self.content = [None] * self.capacity
-        self.checksums = [None] * self.capacity
+        self.quiesce()  # every copy ends first: none writes a slot after it is emptied
+        self._empty()
 
     # ---- one op ----
     def acquire(self, layer: int, experts: Sequence[int], meanwhile: Callable[[], None] | None = None
