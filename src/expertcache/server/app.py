@@ -108,7 +108,8 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
     async def chat_completions(request: Request):
         body = await body_of(request)
         gen, stream, include_usage = _options(body, chat=True)
-        messages, variables = P.chat_messages(body), P.template_kwargs(body)
+        messages = P.chat_messages(body, developer=P.knows_developer(model.tokenizer.chat_template))
+        variables = P.template_kwargs(body)
         ids = await off_loop("messages", partial(model.tokenizer.encode_chat, **variables), messages)
         return await _generate(request, body, ids, gen, stream, include_usage, "messages", chat=True)
 
@@ -125,12 +126,7 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
         gen = P.sampling(body, ctx, chat)
         gen["ubatch"] = ubatch
         stream = P.get_bool(body, "stream", False)
-        opts = body.get("stream_options")
-        if opts is not None and not isinstance(opts, dict):
-            raise P.ApiError("'stream_options' must be an object", param="stream_options")
-        if opts is not None and not stream:  # as OpenAI and vLLM: it would be silently ignored
-            raise P.ApiError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-        return gen, stream, P.get_bool(opts or {}, "include_usage", False)
+        return gen, stream, P.stream_options(body, stream)
 
     async def _generate(request: Request, body: dict, ids: list[int], gen: dict, stream: bool,
                         include_usage: bool, param: str, chat: bool):

@@ -75,9 +75,16 @@ def _parse_int(text: str):
 def parse_json(raw: bytes) -> dict:
     """A request body: a JSON object, at most MAX_DEPTH deep, whose strings are valid Unicode."""
     try:
+        # Decoded here, strictly: json.loads(bytes) would also take UTF-16 and UTF-32, and UTF-8
+        # bytes of a surrogate (it decodes with 'surrogatepass'), past the check below. A byte
+        # order mark may be ignored (RFC 8259), as json.loads did.
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ApiError(f"the request body is not valid UTF-8: {e}", code="invalid_json") from None
+    try:
         # The hook costs a call per integer: only a body with a long run of digits needs it.
-        body = json.loads(raw, parse_int=_parse_int) if _LONG_DIGITS.search(raw) else json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        body = json.loads(text, parse_int=_parse_int) if _LONG_DIGITS.search(raw) else json.loads(text)
+    except ValueError as e:  # JSONDecodeError is a ValueError
         raise ApiError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:
         raise ApiError(f"the request body is nested deeper than {MAX_DEPTH} levels", code="invalid_json") from None
@@ -316,9 +323,12 @@ def sampling(body: dict, ctx: int, chat: bool) -> dict:
     _no_forced_call(body, "tool_choice")
     _no_forced_call(body, "function_call")
     fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise ApiError("'response_format' other than text is not supported", param="response_format",
-                       code="unsupported_parameter")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise ApiError(f"'response_format' must be an object such as {{\"type\": \"text\"}}, got {_type_name(fmt)}",
+                       param="response_format")
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise ApiError(f"'response_format' = {_short(fmt)} is not supported by this server (only "
+                       "{\"type\": \"text\"})", param="response_format", code="unsupported_parameter")
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise ApiError(f"'modalities' = {_short(modalities)} is not supported by this server (only [\"text\"])",
@@ -329,18 +339,45 @@ def sampling(body: dict, ctx: int, chat: bool) -> dict:
             raise ApiError(f"'{name}' = {body[name]} is not supported by this server (only 0)", param=name,
                            code="unsupported_parameter")
     _no_logit_bias(body)
-    names = [n for n in ("max_completion_tokens", "max_tokens", "n_predict") if body.get(n) is not None]
-    name = names[0] if names else "max_tokens"
+    # Every alias given is checked (a wrong one is not let pass because another came first); the
+    # first given is the limit. n_predict -1 is llama-server's "no limit" (its default).
+    limits = [get_int(body, n, None, lo=-1 if n == "n_predict" else 0, hi=ctx)
+              for n in ("max_completion_tokens", "max_tokens", "n_predict")]
+    max_tokens = next((v for v in limits if v is not None), None)
     return {
-        "max_tokens": get_int(body, name, None, lo=0, hi=ctx),
+        "max_tokens": None if max_tokens == -1 else max_tokens,
         "temperature": get_number(body, "temperature", 1.0, 0.0, 2.0),
         "top_p": get_number(body, "top_p", 1.0, 0.0, 1.0),
-        "top_k": get_int(body, "top_k", 0, lo=0),
+        # -1 is "off" in vLLM (its old default) and llama-server, as 0 is.
+        "top_k": max(0, get_int(body, "top_k", 0, lo=-1)),
         "min_p": get_number(body, "min_p", 0.0, 0.0, 1.0),
         "seed": get_int(body, "seed", None, lo=SEED_MIN, hi=SEED_MAX),
         "stop": get_stop(body),
         "ignore_eos": get_bool(body, "ignore_eos", False),
     }
+
+
+def stream_options(body: dict, stream: bool) -> bool:
+    """`stream_options`, checked: whether a usage chunk ends the stream (`include_usage`)."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise ApiError(f"'stream_options' must be an object, got {_type_name(opts)}", param="stream_options")
+    if not stream:  # as OpenAI and vLLM: it would be silently ignored
+        raise ApiError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    # `include_obfuscation` only pads chunks against a network observer, and changes no content;
+    # another option (vLLM's `continuous_usage_stats`) would change the stream: refused, not ignored.
+    for name, v in opts.items():
+        if name not in ("include_usage", "include_obfuscation"):
+            shown = name if len(name) <= 60 else name[:57] + "..."
+            raise ApiError(f"'stream_options.{shown}' is not supported by this server (only "
+                           "include_usage and include_obfuscation)", param="stream_options",
+                           code="unsupported_parameter")
+        if v is not None and not isinstance(v, bool):
+            raise ApiError(f"'stream_options.{name}' must be a boolean, got {_type_name(v)} {_short(v)}",
+                           param="stream_options")
+    return bool(opts.get("include_usage"))
 
 
 def limit_tokens(gen: dict, ctx: int, prompt_tokens: int) -> None:
@@ -371,7 +408,19 @@ def template_kwargs(body: dict) -> dict:
     return v
 
 
-def chat_messages(body: dict) -> list[dict]:
+# A template that handles the `developer` role names it as a string (Gemma 4's, gpt-oss's).
+_NAMES_DEVELOPER = re.compile(r"""['"]developer['"]""")
+
+
+def knows_developer(template: str | None) -> bool:
+    return bool(template) and _NAMES_DEVELOPER.search(template) is not None
+
+
+def chat_messages(body: dict, developer: bool = True) -> list[dict]:
+    """The request's messages for the chat template. Unless `developer` (the template knows that
+    role), a `developer` message is given as `system`, as llama-server does: OpenAI's newer name
+    for the same instructions, which a template that does not know it drops without a word
+    (Qwen3's) or refuses (Qwen3.5's)."""
     msgs = body.get("messages")
     if msgs is None:
         raise ApiError("'messages' is required", param="messages")
@@ -402,7 +451,9 @@ def chat_messages(body: dict) -> list[dict]:
         elif not isinstance(content, str):
             raise ApiError(f"'{where}.content' must be a string or an array of text parts, got {_type_name(content)}",
                            param=f"{where}.content")
-        out.append({**{k: v for k, v in m.items() if k != "content"}, "content": content})
+        if role == "developer" and not developer:
+            role = "system"
+        out.append({**{k: v for k, v in m.items() if k != "content"}, "role": role, "content": content})
     return out
 
 
@@ -417,8 +468,12 @@ def completion_prompt(body: dict, tokenizer, vocab_size: int) -> list[int]:
         return tokenizer.encode(p)
     if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         return check_token_ids(p, vocab_size, "prompt")
-    if isinstance(p, list) and p and all(isinstance(x, str | list) for x in p):
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, str | list) for x in p):
         raise ApiError(f"'prompt' holds {len(p)} prompts; this server takes one prompt per request", param="prompt")
+    if isinstance(p, list):  # name what is not a token id: "got array" would not say what is wrong
+        bad = next(t for t in p if isinstance(t, bool) or not isinstance(t, int))
+        raise ApiError(f"'prompt' must be a string or an array of token ids; it holds {_type_name(bad)} {_short(bad)}",
+                       param="prompt")
     raise ApiError(f"'prompt' must be a string or an array of token ids, got {_type_name(p)}", param="prompt")
 
 
