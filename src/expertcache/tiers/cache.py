@@ -75,7 +75,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 @dataclass(frozen=True, slots=True)
 class SlotContent:
     key: ExpertKey
-    version: FileVersion  # of the file the expert was read from
+    version: tuple[FileVersion, ...]  # of every file the expert was read from (`ExpertStore.version_of`)
     format: ExpertFormat  # each matrix's storage type, shape and offset
     nbytes: int
 
@@ -430,11 +430,9 @@ class ExpertCache:
         return issued
 
     def _describe(self, layer: int, fills) -> None:
-        version = self.store.versions
         fmt = self.formats[layer]
         for e, s in fills:
-            path = self.store.file_of(layer, e)
-            self.content[s] = SlotContent(ExpertKey(layer, e), version[path], fmt, fmt.nbytes)
+            self.content[s] = SlotContent(ExpertKey(layer, e), self.store.version_of(layer, e), fmt, fmt.nbytes)
             self.checksums[s] = None
 
     # ---- prefetch ----
@@ -684,7 +682,7 @@ class ExpertCache:
             self._switching = False
             return {reason: 1}
         stale = [c.key for c in self.content
-                 if c is not None and store.versions.get(store.file_of(c.key.layer, c.key.expert)) != c.version]
+                 if c is not None and store.version_of(c.key.layer, c.key.expert) != c.version]
         self._invalidate(stale, reason)
         if self.mode == "resident":  # also the experts an earlier, failed refill left out
             self._fill_all()

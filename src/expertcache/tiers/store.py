@@ -95,6 +95,18 @@ MAX_READ_BYTES = 1 << 30
 MAX_READ_BUFFERS = min(getattr(os, "IOV_MAX", 1024), 1024)
 
 
+def _after(targets: list[memoryview], n: int) -> list[memoryview]:
+    """The buffers `targets` less their first `n` bytes (what a read cut short has left to fill)."""
+    out = []
+    for t in targets:
+        if n >= t.nbytes:
+            n -= t.nbytes
+            continue
+        out.append(t[n:])
+        n = 0
+    return out
+
+
 def merged_reads(pieces: list[tuple[Segment, memoryview]]) -> list[tuple[Segment, list[memoryview]]]:
     """Byte ranges (each with the buffer it is read into) as reads: ranges that follow one another
     in one file become one read scattered into their buffers, in file order. An expert's matrices,
@@ -165,8 +177,12 @@ class ExpertStore(ABC):
         self.slot_bytes = slot_nbytes(list(self.formats.values()))
         self.versions = {p: file_version(p) for p in source.files}
 
-    def file_of(self, layer: int, e: int) -> Path:
-        return self.source.segments(layer, e)[0].file
+    def version_of(self, layer: int, e: int) -> tuple[FileVersion, ...]:
+        """The versions of every file expert (layer, e)'s bytes come from, in the order of its
+        matrices: a sharded checkpoint may keep an expert's gate in one shard and its down in the
+        next, and a slot is stale when either changes, not only the first."""
+        files = dict.fromkeys(seg.file for seg in self.source.segments(layer, e))
+        return tuple(self.versions[f] for f in files)
 
     @abstractmethod
     def copy_run(self, layer: int, first: int, dst: torch.Tensor, non_blocking: bool = False) -> None:
@@ -263,8 +279,16 @@ class DiskStore(ExpertStore):
         per = self._bounce_run(layer) if self._bounces(layer) else n
         reads = 0
         for i in range(0, n, per):
-            parts = self.source.run_parts(layer, first + i, min(per, n - i))
-            reads += len(parts) if parts is not None else 1
+            m = min(per, n - i)
+            parts = self.source.run_parts(layer, first + i, m)
+            if parts is None:
+                # `_read_run` makes one read per range its matrices form back to back: one per
+                # expert where they follow one another, more where they do not (a fused gate_up and
+                # its down in two tensors, an expert's matrices in several shards).
+                segs = [(seg, None) for e in range(first + i, first + i + m) for seg in self.source.segments(layer, e)]
+                reads += len(merged_reads(segs))
+            else:
+                reads += len(parts)
         return reads
 
     def _bounces(self, layer: int) -> bool:
@@ -323,10 +347,25 @@ class DiskStore(ExpertStore):
         self.direct_reads += direct is not None
         if self.read_hook is not None:
             self.read_hook(self.reads)
-        if got != want:
+        # A read may return fewer bytes than asked short of the end of the file: Linux moves at
+        # most 2 GiB - 4 KiB per call (a resident fill reads a packed layer in one: 2.8 GB of
+        # Mixtral 8x7B's experts), and network and FUSE file systems return what they have. The
+        # rest is read on; only the end of the file (a read of 0 bytes) leaves it short.
+        done, buffered = got, direct is None
+        while 0 < got and done < want:
+            rest, at = _after(targets, done), seg.offset + done
+            if direct is not None and not aligned(at, rest):
+                direct, buffered = None, True
+            try:
+                got = os.preadv(fd if direct is None else direct, rest, at)
+            except OSError as e:
+                raise CopyError(f"{seg.file}: cannot read {want - done} bytes at byte {at}: {e.strerror}") from None
+            done += got
+        if done != want:
             self._check(seg.file)  # a file cut short in place is a change of version
-            raise CopyError(f"{seg.file}: short read at byte {seg.offset}: {got} of {want} bytes")
-        if direct is None and self.drop_cache and hasattr(os, "posix_fadvise"):
+            raise CopyError(f"{seg.file}: short read at byte {seg.offset}: {done} of {want} bytes "
+                            f"(the file ends at byte {seg.offset + done})")
+        if buffered and self.drop_cache and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, seg.offset, seg.nbytes, os.POSIX_FADV_DONTNEED)
 
     def _check(self, path: Path) -> None:
