@@ -250,12 +250,19 @@ def _check_extents(path: Path, tensors: dict[str, GGUFTensorInfo], size: int) ->
                                    f"but the file has {size} bytes")
 
 
+def _split_name(name: str) -> re.Match | None:
+    """The parts of a gguf-split name NAME-0000i-of-0000N.gguf, or None for any other name: part
+    numbers outside 1..N (-00001-of-00000) do not name a part of a set, so such a file is read as
+    the one file it is, as llama.cpp reads it (it goes by split.count, not by the name)."""
+    m = _SPLIT_NAME.match(name)
+    return m if m is not None and 1 <= int(m["no"]) <= int(m["count"]) else None
+
+
 def _model_files(path: Path) -> list[Path]:
     """The files of the one GGUF model at `path`: a file (any part of a split set) or a directory."""
     if path.is_dir():
         found = sorted(p for p in path.iterdir() if p.suffix == ".gguf" and p.is_file())
-        models = sorted({(_SPLIT_NAME.match(p.name) and _SPLIT_NAME.match(p.name)["prefix"]) or p.name
-                         for p in found})
+        models = sorted({(m := _split_name(p.name)) and m["prefix"] or p.name for p in found})
         if not models:
             raise ExpertCacheError(f"{path}: no .gguf file in this directory")
         if len(models) > 1:
@@ -263,7 +270,7 @@ def _model_files(path: Path) -> list[Path]:
         path = found[0]
     elif not path.exists():
         raise ExpertCacheError(f"{path}: no such file or directory")
-    m = _SPLIT_NAME.match(path.name)
+    m = _split_name(path.name)
     if m is None:
         return [path]
     count = int(m["count"])

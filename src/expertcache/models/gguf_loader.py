@@ -154,8 +154,7 @@ def _config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConf
         # sample ids the tokenizer lacks, or look up rows the embedding lacks.
         raise ExpertCacheError(f"tokenizer.ggml.tokens holds {len(tokens)} tokens but tensor 'token_embd.weight' "
                                f"has {vocab} rows; expected one row per token")
-    eos = md.get("tokenizer.ggml.eos_token_id")
-    bos = md.get("tokenizer.ggml.bos_token_id")
+    eos, bos = (_special_id(gg, f"tokenizer.ggml.{role}_token_id", vocab) for role in ("eos", "bos"))
     experts = need("expert_count")
     first = next((i for i, s in enumerate(sparse) if s), 0)
     width = get("expert_feed_forward_length")
@@ -196,6 +195,18 @@ def _config_from_gguf(arch: type[Architecture], gg: GGUFCheckpoint) -> ModelConf
         raise
     _check_kinds(a, read)  # ... or passes as the number it spells (float('4'))
     return out
+
+
+def _special_id(gg: GGUFCheckpoint, key: str, vocab: int):
+    """A special token id from the metadata; one outside the vocabulary is dropped with a warning, as
+    llama.cpp drops it ("bad special token"), rather than the whole file refused. A value that is
+    no integer is left for ModelConfig to refuse."""
+    i = gg.metadata.get(key)
+    if isinstance(i, int) and not isinstance(i, bool) and not 0 <= i < vocab:
+        print(f"expertcache: {gg.files[0]}: ignoring {key}={i}, which is not a token id of the vocabulary "
+              f"of {vocab}", file=sys.stderr)
+        return None
+    return i
 
 
 class _ReadKeys(dict):
