@@ -5,6 +5,7 @@ way transformers renders them. The engine never sees text; this module is the on
 from __future__ import annotations
 
 import json
+import operator
 from datetime import datetime
 from pathlib import Path
 
@@ -51,9 +52,13 @@ class Tokenizer:
                 cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ExpertCacheError(f"{cfg_path}: not valid JSON: {e}") from None
+            _check_config(cfg, cfg_path)
         jinja_path = d / "chat_template.jinja"
         if jinja_path.exists():
-            cfg = {**cfg, "chat_template": jinja_path.read_text(encoding="utf-8")}
+            try:
+                cfg = {**cfg, "chat_template": jinja_path.read_text(encoding="utf-8")}
+            except UnicodeDecodeError as e:
+                raise ExpertCacheError(f"{jinja_path}: not UTF-8 text: {e}") from None
         self.template_home = "tokenizer_config.json's chat_template or chat_template.jinja"
         self._configure(cfg)
 
@@ -88,6 +93,8 @@ class Tokenizer:
         self.chat_template = template
         self._compiled = None
         self._plain: HFTokenizer | None = None  # `encode(parse_special=False)`'s copy, made on first use
+        # What decode(skip_special_tokens=True) leaves out.
+        self.special_ids = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
 
     @property
     def vocab_size(self) -> int:
@@ -117,10 +124,20 @@ class Tokenizer:
         return self._plain
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        ids = list(ids)
-        if len(ids) > _LONG:  # as in encode: without the GIL; a short call stays on the cheaper path
-            return self.tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        """The text of `ids`. An id past the vocabulary adds nothing, as in transformers (a model may
+        have more embedding rows than tokens); one that is no id at all is an ExpertCacheError."""
+        try:
+            ids = list(ids)
+            if len(ids) > _LONG:  # as in encode: without the GIL; a short call stays on the cheaper path
+                return self.tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+            return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        except (TypeError, OverflowError):
+            # tokenizers says only "number too small to fit in target type", naming no value.
+            if not isinstance(ids, list):
+                raise ExpertCacheError(f"token ids {_one_line(repr(ids))[:80]} must be a list of integers") from None
+            bad = next((i for i in ids if not _is_id(i)), None)
+            raise ExpertCacheError(f"token id {bad!r} is not a token id (expected an integer from 0; this "
+                                   f"tokenizer has {self.vocab_size} tokens)") from None
 
     def check_chat_template(self) -> None:
         """Raises, naming where a template would be, when this tokenizer has none."""
@@ -152,6 +169,30 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
         # The rendered template already holds any special tokens it wants, as in transformers.
         return self.encode(self.render_chat(messages, add_generation_prompt, **extra), add_special_tokens=False)
+
+
+def _is_id(value) -> bool:
+    try:
+        return 0 <= operator.index(value) < 2**32  # tokenizers' ids are u32
+    except TypeError:
+        return False
+
+
+def _check_config(cfg, path: Path) -> None:
+    """The tokenizer_config.json fields read here have the types transformers writes: a value of
+    another type failed later, inside a render or an encode, as a bare TypeError or AttributeError."""
+    if not isinstance(cfg, dict):
+        raise ExpertCacheError(f"{path}: holds a JSON {type(cfg).__name__}, expected an object")
+    for key in _TEMPLATE_TOKENS:
+        value = cfg.get(key)
+        if not (value is None or isinstance(_token_text(value), str)):
+            raise ExpertCacheError(f"{path}: {key} is {value!r}, expected a token's text (a string)")
+    template = cfg.get("chat_template")
+    named = isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in template)
+    if not (template is None or isinstance(template, str) or named):
+        raise ExpertCacheError(f"{path}: chat_template is {_one_line(repr(template))[:80]}, expected a string or a "
+                               "list of {\"name\": ..., \"template\": ...} objects")
 
 
 def _plain_message(message):
@@ -246,6 +287,10 @@ class StreamDecoder:
         self.emitted: list[str] = []
 
     def push(self, token_id: int) -> str:
+        if token_id in self.tokenizer.special_ids:
+            # Decoding leaves it out; kept, it would stay in every later window (a run of them made
+            # each push decode the whole run again).
+            return ""
         self.ids.append(token_id)
         new = self._unread()
         if not new or new.endswith("\ufffd"):
