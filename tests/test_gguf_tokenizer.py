@@ -328,3 +328,22 @@ def test_a_gguf_without_a_chat_template_names_its_metadata_key(capsys):
     code, err = run_cli(capsys, "run", "-m", str(gg), "--chat", "-n", "2")
     assert_one_line_error(code, err, "tokenizer.chat_template", "--tokenizer DIR")
     assert "tokenizer_config.json" not in err
+
+
+def test_a_bad_tokenizer_fails_before_the_kernels_are_chosen(tmp_path, monkeypatch):
+    # The kernels' first build takes a minute and prints a notice: a tokenizer that cannot be read
+    # is refused before it, alone on its line.
+    from gguf import GGUFValueType as VT
+
+    import expertcache
+    import expertcache.engine as engine
+    from gguf_blocks import rewrite_gguf
+
+    def chosen(*args, **kwargs):
+        raise AssertionError("the kernels were chosen before the tokenizer was read")
+
+    monkeypatch.setattr(engine, "select_kernels", chosen)
+    src = Path(__file__).resolve().parent / "fixtures" / "gguf" / "qwen3_moe-mix.gguf"
+    path = rewrite_gguf(src, tmp_path / "m.gguf", {"tokenizer.ggml.add_eos_token": ("false", VT.STRING, None)})
+    with pytest.raises(ExpertCacheError, match="'tokenizer.ggml.add_eos_token' is 'false', expected a bool"):
+        expertcache.load(path)

@@ -575,12 +575,12 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     options = LoadOptions(_device(device), parse_dtype(dtype), cache or CacheConfig(), ctx_size, kernels,
                           prefill_stretch, prefill_mem or LoadOptions.prefill_mem, activations)
     path = Path(path) if path is not None else default_model_path()
-    # A tokenizer directory of its own is read before the weights: a bad one fails at once.
-    own_tokenizer = Tokenizer(tokenizer) if tokenizer is not None else None
+    # The tokenizer is read before the weights and the kernels (whose first build takes a
+    # minute): a bad one fails at once.
+    tok = Tokenizer(tokenizer) if tokenizer is not None else _tokenizer(path)
     if threads is not None:
         torch.set_num_threads(threads)
     cfg, net, experts = _assemble(path, options, None, None)
-    tok = own_tokenizer if own_tokenizer is not None else _tokenizer(path)
     model = Model(path, options, cfg, net, tok, experts)
     model.eos_ids |= _generation_eos(path, cfg.vocab_size)
     model._wire_prefetch()
