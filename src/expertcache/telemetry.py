@@ -76,7 +76,9 @@ class Telemetry:
         c["copy_ranges"] += ranges
         c["skipped_experts"] += hits
         c["skipped_bytes"] += hits * size
-        c["empty_copy_ops"] += copied == 0
+        # An op with misses tried to copy and waited, even where it copied nothing (its copy
+        # failed, or its caller left first): not an op that had nothing to copy.
+        c["empty_copy_ops"] += copied == 0 and hits == used
         c["evictions"] += evictions
         c["waves"] += waves
         c["demand_misses"] += used - hits
@@ -105,7 +107,9 @@ class Telemetry:
 
     def total(self) -> dict:
         t = Counter({k: 0 for k in OP_COUNTERS})
-        for c in self.layers.values():
+        # A copy of the values, taken at once: the server reads this on its event loop while the
+        # worker's first ops add layers, and a live view would fail with "changed size".
+        for c in list(self.layers.values()):
             t.update(c)
         out = dict(t)
         used = out["used_experts_unique"]

@@ -68,13 +68,7 @@ def _mask_ids(mask: int) -> list[int]:
 def snapshot(model, scheduler: Scheduler, counter: TokenCounter | None = None, model_id: str = "") -> dict:
     """The cache's state now, as plain JSON-ready values (see the module docstring on consistency)."""
     cache = model.experts
-    telemetry: dict = {}
-    for _ in range(5):  # the worker may add a layer's counters while we copy them: try again then
-        try:
-            telemetry = model.telemetry()
-            break
-        except RuntimeError:
-            continue
+    telemetry = model.telemetry()  # safe while the worker runs ops (`Telemetry.total`)
     layers = [int(x) for x in getattr(cache, "moe_layers", getattr(model.cfg, "moe_layers", []))]
     residency = getattr(cache, "residency", None)
     # A cache that prefetches says which experts are in flight as a mask per layer, like

@@ -25,7 +25,7 @@ _HELP = {
     "skipped_bytes": "bytes of copies avoided because the expert was resident",
     "empty_copy_ops": "MoE ops that copied nothing",
     "evictions": "experts evicted from the cache",
-    "waves": "waves of MoE ops that needed more experts than the cache has slots",
+    "waves": "passes MoE ops ran in: one per op, more for an op needing more experts than the cache has slots",
     "demand_misses": "used experts neither resident nor prefetched when their op began",
     "prefetch_issued": "experts a prefetch planned to copy",
     "prefetch_used": "prefetched experts an op used before they were evicted",
@@ -37,17 +37,10 @@ class ServerCollector(Collector):
     def __init__(self, model, scheduler: Scheduler):
         self.model, self.scheduler = model, scheduler
 
-    def _telemetry(self) -> dict:
-        # The worker thread may add a layer's counters while we read them; try again then.
-        for _ in range(5):
-            try:
-                return self.model.telemetry()
-            except RuntimeError:
-                continue
-        return {}
-
     def collect(self):
-        t = self._telemetry()
+        # Read while the worker runs ops (`Telemetry.total` copies what it iterates). Never an
+        # empty stand-in: counters read as 0 would tell Prometheus that every one of them reset.
+        t = self.model.telemetry()
         layers = t.get("layers", {})
         for name in OP_COUNTERS:
             m = CounterMetricFamily(f"{PREFIX}_cache_{name}", _HELP.get(name, name), labels=["layer"])
@@ -64,6 +57,7 @@ class ServerCollector(Collector):
                           ("load_copied_experts", "experts copied while loading or resizing"),
                           ("load_copied_bytes", "bytes copied while loading or resizing"),
                           ("copy_failures", "copies from the slow tier that failed (their slots left empty)"),
+                          ("copy_seconds", "seconds spent in the copies of MoE ops (on a GPU: issuing them)"),
                           ("stall_seconds", "seconds compute waited for expert copies (its own or prefetches)"),
                           ("prefetch_copy_seconds", "seconds the prefetch worker spent copying")):
             yield CounterMetricFamily(f"{PREFIX}_cache_{name}", doc, value=t.get(name, 0))
