@@ -155,11 +155,15 @@ def test_overlap_bound_by_hand():
     (2 GB/s: 20 ms of reads); prefetch on 40 ms with 50 MB (25 ms of reads)."""
     from expertcache.bench.cache_bench import bounds_text, overlap_bounds
 
-    def row(mode, tok_s, prefetch=False, mb=0.0, copy_s=0.0, device="cpu"):
+    def row(mode, tok_s, prefetch=False, mb=0.0, copy_s=0.0, device="cpu", read_mb=None):
         return {"mode": mode, "store": "disk", "fraction": 0.25, "prefetch": prefetch, "device": device,
-                "decode": {"tok_s": tok_s, "tokens": 10, "copied_bytes_per_token": mb * 1e6, "copy_seconds": copy_s}}
+                "decode": {"tok_s": tok_s, "tokens": 10, "copied_bytes_per_token": mb * 1e6, "copy_seconds": copy_s,
+                           "read_bytes_per_token": (mb if read_mb is None else read_mb) * 1e6}}
 
-    rows = [row("resident", 50), row("staging", 5), row("cache", 20, False, 40, 0.2), row("cache", 25, True, 50, 0.1)]
+    # With prefetch, 56 MB a token counted as copied, of which 6 MB of prefetches whose copy never
+    # ran (their expert lost its slot first): the reads are the 50 MB read.
+    rows = [row("resident", 50), row("staging", 5), row("cache", 20, False, 40, 0.2),
+            row("cache", 25, True, 56, 0.1, read_mb=50)]
     (b,) = overlap_bounds(rows)
     assert b["read_gb_s"] == pytest.approx(2.0) and b["reads_s"] == pytest.approx(0.025)
     assert (b["x_bound"], b["speedup"], b["ceiling"]) == pytest.approx((1.6, 1.25, 2.0))

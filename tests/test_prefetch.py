@@ -160,6 +160,29 @@ def test_slowed_worker_changes_nothing(models, reference):
     slots_hold_what_they_claim(model.experts)
 
 
+def test_bytes_read_are_the_copied_bytes_less_the_prefetches_dropped_before_their_copy(models, reference):
+    # A planned prefetch counts in copied_bytes (as the simulator counts it); one whose expert loses
+    # its slot before the slowed worker starts its copy is never read, and says so.
+    model = _load(models["qwen2"], experts=6, store="disk", prefetch="on", prefetch_width=2.0)
+    store, read = model.experts.store, []
+    plain_read = store._read
+
+    def counting_read(seg, targets):
+        read.append(sum(t.nbytes for t in targets))
+        return plain_read(seg, targets)
+
+    def slow(_n):
+        if threading.current_thread().name == WORKER:
+            time.sleep(0.005)
+
+    store._read, store.read_hook = counting_read, slow
+    _check(model, reference["qwen2"])
+    model.experts.quiesce()
+    t = model.telemetry()
+    assert t["prefetch_dropped_bytes"] > 0
+    assert sum(read) == t["total"]["copied_bytes"] - t["prefetch_dropped_bytes"]
+
+
 @pytest.mark.parametrize("name", ["bundled", "qwen2"])
 def test_failing_worker_rolls_back_and_demand_recovers(models, reference, name):
     model = _load(models[name], experts=12, store="disk", prefetch="on", prefetch_width=1.5)

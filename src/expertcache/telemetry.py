@@ -41,6 +41,10 @@ class Telemetry:
         self.copy_seconds = 0.0  # wall time spent issuing copies (on a CPU: doing them)
         self.prefetch_copy_seconds = 0.0  # the same for prefetch copies (on the worker thread)
         self.stall_seconds = 0.0  # wall time compute waited before a wave: its copies, or prefetches
+        # Bytes of planned prefetch copies never made: the expert lost its slot before its copy
+        # started. copied_bytes counts a prefetch when planned (as the simulator does); this
+        # depends on timing, like the *_seconds, so bytes read = copied_bytes - this.
+        self.prefetch_dropped_bytes = 0
         self.trace_every = trace_every
         self._ops = 0
         self._time_lock = threading.Lock()
@@ -139,6 +143,7 @@ class Telemetry:
             "copy_seconds": self.copy_seconds,
             "prefetch_copy_seconds": self.prefetch_copy_seconds,
             "stall_seconds": self.stall_seconds,
+            "prefetch_dropped_bytes": self.prefetch_dropped_bytes,
         }
 
 

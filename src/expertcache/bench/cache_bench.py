@@ -87,14 +87,16 @@ def run_one(spec: dict) -> dict:
                                                "prefetch_used", "prefetch_wasted")}
         copy_s = after["copy_seconds"] - before["copy_seconds"]
         pf_s = after["prefetch_copy_seconds"] - before["prefetch_copy_seconds"]
+        dropped = after["prefetch_dropped_bytes"] - before["prefetch_dropped_bytes"]
         return {"tokens": n, "seconds": dt, "tok_s": n / dt,
                 "demand_misses": d["demand_misses"], "prefetch_issued": d["prefetch_issued"],
                 "prefetch_used": d["prefetch_used"], "prefetch_wasted": d["prefetch_wasted"],
                 "stall_seconds": after["stall_seconds"] - before["stall_seconds"], "prefetch_copy_seconds": pf_s,
                 "hit_rate": d["resident_hits"] / d["used_experts_unique"] if d["used_experts_unique"] else 0.0,
-                "copied_bytes_per_token": d["copied_bytes"] / n, "copy_ranges": d["copy_ranges"],
+                "copied_bytes_per_token": d["copied_bytes"] / n, "read_bytes_per_token": (d["copied_bytes"] - dropped) / n,
+                "copy_ranges": d["copy_ranges"],
                 "copy_seconds": copy_s,
-                "copy_gb_s": d["copied_bytes"] / (copy_s + pf_s) / 1e9 if copy_s + pf_s > 0 else 0.0}
+                "copy_gb_s": (d["copied_bytes"] - dropped) / (copy_s + pf_s) / 1e9 if copy_s + pf_s > 0 else 0.0}
 
     # Warm-up: a short prompt and a few decode steps, so that first-call costs are not measured.
     model.generate(prompt[:8], max_tokens=4, ignore_eos=True)
@@ -280,8 +282,9 @@ def table(rows: list[dict]) -> str:
 def overlap_bounds(rows: list[dict]) -> list[dict]:
     """For each store and capacity measured with prefetch off and on beside the resident mode, on
     a CPU: prefetch's decode time per token against max(compute, reads), compute being the
-    resident time and reads the bytes copied per token with prefetch over the rate of prefetch
-    off's demand copies (its bytes over their `copy_seconds`); and prefetch's speed-up beside its
+    resident time and reads the bytes read per token with prefetch (copied, less the planned
+    prefetches whose copy never ran) over the rate of prefetch off's demand copies (its bytes over
+    their `copy_seconds`); and prefetch's speed-up beside its
     ceiling, (compute + reads without prefetch) / max(compute, those reads). The bound holds when
     the copies overlap compute instead of adding to it (docs/cache.md, "Prefetch"). Beside it,
     `x_bound_needed`: the same time against max(compute, reads without prefetch), which wasted
@@ -298,7 +301,7 @@ def overlap_bounds(rows: list[dict]) -> list[dict]:
             continue
         compute = 1 / resident[store]["tok_s"]
         rate = off["copied_bytes_per_token"] * off["tokens"] / off["copy_seconds"]
-        reads_on, reads_off = on["copied_bytes_per_token"] / rate, off["copied_bytes_per_token"] / rate
+        reads_on, reads_off = on["read_bytes_per_token"] / rate, off["copied_bytes_per_token"] / rate
         t_on, t_off = 1 / on["tok_s"], 1 / off["tok_s"]
         out.append({"store": store, "fraction": fraction, "compute_s": compute, "read_gb_s": rate / 1e9,
                     "reads_s": reads_on, "s_per_token": t_on, "x_bound": t_on / max(compute, reads_on),

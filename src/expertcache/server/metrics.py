@@ -59,7 +59,9 @@ class ServerCollector(Collector):
                           ("copy_failures", "copies from the slow tier that failed (their slots left empty)"),
                           ("copy_seconds", "seconds spent in the copies of MoE ops (on a GPU: issuing them)"),
                           ("stall_seconds", "seconds compute waited for expert copies (its own or prefetches)"),
-                          ("prefetch_copy_seconds", "seconds the prefetch worker spent copying")):
+                          ("prefetch_copy_seconds", "seconds the prefetch worker spent copying"),
+                          ("prefetch_dropped_bytes", "bytes of planned prefetch copies never made (counted in "
+                                                     "copied_bytes; the expert lost its slot first)")):
             yield CounterMetricFamily(f"{PREFIX}_cache_{name}", doc, value=t.get(name, 0))
         yield GaugeMetricFamily(f"{PREFIX}_cache_prefetch_active", "1 when predicted experts are copied early",
                                 value=1 if t.get("prefetch") else 0)

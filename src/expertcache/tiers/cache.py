@@ -570,8 +570,8 @@ class ExpertCache:
             key = ExpertKey(job.layer, job.experts[i])
             if (s, key) not in self._op_reads and self.residency.key_in(s) != key:
                 del self._pending[s]
-                if self._worker is not None:
-                    self._worker.drop(job, i)
+                if self._worker is not None and self._worker.drop(job, i):
+                    self.telemetry_.prefetch_dropped_bytes += self.expert_bytes[job.layer]
 
     def _reap(self) -> None:
         """Roll back prefetches whose copy failed: their experts leave the bookkeeping (an op that
