@@ -204,16 +204,19 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return (dl * _iq4_table(b.device)[idx]).reshape(n, QK_K)
 
 
+# Float storage goes through `_view` too: raw bytes at an offset that is not a multiple of the
+# element size (a slice of a larger byte buffer) cannot be viewed as floats where they lie, and
+# the quantized types' fp16 fields are read that way already.
 def _f32(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.float32)
+    return _view(b.contiguous(), torch.float32)
 
 
 def _f16s(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.float16).float()
+    return _view(b.contiguous(), torch.float16).float()
 
 
 def _bf16(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.bfloat16).float()
+    return _view(b.contiguous(), torch.bfloat16).float()
 
 
 # blocks [B, Z] uint8 -> weights [B, S] float32, per storage type.

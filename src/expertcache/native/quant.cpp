@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -564,15 +565,27 @@ void quantize_act(const float* x, int64_t K, int64_t type, Act& a, bool floats) 
     const float* xb = x + b * block;
     int8_t* qb = a.q.data() + b * block;
     float amax = 0.f, mx = 0.f;
+    bool finite = true;
     for (int i = 0; i < block; ++i) {
       const float ax = std::fabs(xb[i]);
+      finite = finite && ax <= std::numeric_limits<float>::max();
       if (ax > amax) { amax = ax; mx = xb[i]; }
     }
-    if (a.kind == A_Q8_0) {
-      const float dh = round_f16(amax / 127.f), id = amax != 0.f ? 127.f / amax : 0.f;
+    if (!finite) {
+      // A NaN or an infinity (an overflow upstream) has no 8-bit value, and the comparison above
+      // skips a NaN: rounded as the others, the block's products came out finite, the NaN gone
+      // without a trace. Its scale is NaN instead, so every product it enters is NaN, as the
+      // float product of the row is, and no non-finite value is converted to an integer.
+      std::memset(qb, 0, block);
+      a.d[b] = std::numeric_limits<float>::quiet_NaN();
+    } else if (a.kind == A_Q8_0) {
+      // 127 / amax overflows only for a block of values below 127 / FLT_MAX, whose fp16 scale is
+      // 0: its integers are then 0 rather than infinities converted to integers.
+      const float dh = round_f16(amax / 127.f), inv = amax != 0.f ? 127.f / amax : 0.f;
+      const float id = std::isinf(inv) ? 0.f : inv;
       for (int i = 0; i < block; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));
       a.d[b] = dh;
-    } else if (amax == 0.f) {
+    } else if (amax == 0.f || std::isinf(-127.f / mx)) {  // all zeros, or too small for a scale: zeros
       std::memset(qb, 0, block);
       a.d[b] = 0.f;
     } else {
@@ -1624,17 +1637,21 @@ torch::Tensor round_activations(const torch::Tensor& x_in, int64_t type) {
   return y;
 }
 
-// n floats rounded to bf16 (to nearest even, as torch rounds; the decoded weights are finite).
+// n floats rounded to bf16 (to nearest even, as torch rounds). A NaN (a block whose fp16 scale is
+// NaN, a float weight that is) stays a NaN, as at::BFloat16 makes it: rounding its bits as a
+// number's carried a NaN with a full payload over into -0 or +0.
 inline void store_bf16(const float* x, at::BFloat16* y, int64_t n) {
   int64_t k = 0;
 #if defined(EXPERTCACHE_AVX2)
-  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff), nan = _mm256_set1_epi32(0x7fc0);
   for (; k + 16 <= n; k += 16) {
     __m256i v[2];
     for (int h = 0; h < 2; ++h) {
-      const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(x + k + 8 * h));
+      const __m256 f = _mm256_loadu_ps(x + k + 8 * h);
+      const __m256i bits = _mm256_castps_si256(f);
       const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
-      v[h] = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, odd)), 16);
+      const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, odd)), 16);
+      v[h] = _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
     }
     // packus works within 128-bit lanes: put the four quarters back in order.
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(v[0], v[1]), 0xd8);
