@@ -85,7 +85,9 @@ class Decoder:
         dims = {lw.mixer.rotary_dim for lw in weights.layers if lw.mixer.rotary_dim is not None}
         if len(dims) > 1:
             raise ExpertCacheError(f"layers rotate {sorted(dims)} dims of a head; expected one rotary width")
-        self.rotary = Rotary(cfg, device, dtype, dims.pop() if dims else None)
+        # None where no layer reads positions through it (Gemma 4's layers keep their own
+        # tables): a table of the config's head size would grow with the context, read by nothing.
+        self.rotary = Rotary(cfg, device, dtype, dims.pop()) if dims else None
         reference = weights.rms_norm or (rms_norm_fp32 if weights.fp32_norms else None)
         self.norm = kernels.rms_norm if reference is None else partial(kernels.rms_norm_scaled, reference=reference)
         # Recurrent-state snapshots of new sequences (`state.py`): how often while decoding, how many.
@@ -158,7 +160,10 @@ class Decoder:
         base = kv.length
         if chunk < T:
             kv.reserve(base + T)  # once: a reallocation would copy only the first `length` positions
-        cos, sin = self.rotary(base, T)
+        if self.rotary is not None:
+            cos, sin = self.rotary(base, T, kv.max_len)
+        else:
+            cos = sin = torch.empty(T, 0, device=self.device, dtype=self.dtype)
         act = cfg.hidden_act
         h = self.embed(tokens)  # [T, D]
         try:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..errors import ExpertCacheError
 from ..kernels import Kernels
 
 _NO_NORM = torch.empty(0, dtype=torch.bfloat16)
@@ -24,26 +25,47 @@ class Rotary:
     slices them. The sign of rotate-half is folded into the sin table: (-x) * s == x * (-s)
     exactly, and a decode step saves the negation."""
 
+    # Rows computed at once when a table grows: the fp32 temporaries of a whole table (Gemma 4's
+    # full layers, 512 dims at 262,144 positions) took 2 GiB for a table of 512 MiB.
+    GROW_ROWS = 4096
+
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, dim: int | None = None):
         # `dim`: the rotated dims of a head where only a part of it rotates (partial rotary).
         dim = dim or cfg.head_dim
+        if dim % 2:
+            # Rotate-half pairs dim i with dim i + dim/2: an odd count was a shape error at the
+            # first forward, after `info` had passed the config.
+            raise ExpertCacheError(f"head_dim {dim}: rotary position embeddings rotate pairs of dims; "
+                                   "expected an even head size")
         inv_freq, self.scale = cfg.rope.inv_freq(dim)
         self.inv_freq, self.dtype = inv_freq.to(device), dtype
         self.cos = self.sin = torch.empty(0, dim, device=device, dtype=dtype)
 
     def _grow(self, n: int) -> None:
-        positions = torch.arange(n, device=self.inv_freq.device)
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [n, Dh/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                      # [n, Dh]
-        sin = (emb.sin() * self.scale).to(self.dtype)
-        half = sin.shape[-1] // 2
-        self.cos = (emb.cos() * self.scale).to(self.dtype)
-        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        dim = 2 * self.inv_freq.shape[0]
+        half = dim // 2
+        cos = torch.empty(n, dim, device=self.inv_freq.device, dtype=self.dtype)
+        sin = torch.empty_like(cos)
+        # Block by block the same elementwise arithmetic as over the whole table: the same bits.
+        for s in range(0, n, self.GROW_ROWS):
+            e = min(s + self.GROW_ROWS, n)
+            positions = torch.arange(s, e, device=self.inv_freq.device)
+            freqs = positions[:, None].float() * self.inv_freq[None, :]  # [rows, Dh/2]
+            emb = torch.cat((freqs, freqs), dim=-1)                      # [rows, Dh]
+            cos[s:e] = emb.cos() * self.scale
+            signed = emb.sin() * self.scale
+            sin[s:e, :half] = -signed[:, :half]
+            sin[s:e, half:] = signed[:, half:]
+        self.cos, self.sin = cos, sin
 
-    def __call__(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [n, Dh] for positions start .. start+n-1."""
+    def __call__(self, start: int, n: int, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [n, Dh] for positions start .. start+n-1. `limit`: the positions
+        the sequence can reach (its context); the table grows in doublings but never past it."""
         if start + n > self.cos.shape[0]:
-            self._grow(max(start + n, 2 * self.cos.shape[0], 256))
+            size = max(start + n, 2 * self.cos.shape[0], 256)
+            if limit is not None:
+                size = min(size, max(limit, start + n))
+            self._grow(size)
         return self.cos[start: start + n], self.sin[start: start + n]
 
 

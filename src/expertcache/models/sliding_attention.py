@@ -116,11 +116,11 @@ class SlidingAttention(Mixer):
     def weight_bytes(self, w: SlidingAttentionWeights) -> int:
         return w.qkv.nbytes + w.o.nbytes
 
-    def rotary(self, start: int, n: int, device: torch.device, dtype: torch.dtype):
+    def rotary(self, start: int, n: int, device: torch.device, dtype: torch.dtype, limit: int | None = None):
         key = (device, dtype)
         if key not in self._tables:
             self._tables[key] = _Table(self.cfg.inv_freq(), device, dtype)
-        return self._tables[key](start, n)
+        return self._tables[key](start, n, limit)
 
     def __call__(self, kern, w, x, layer, kv, cos, sin):
         return sliding_attention(kern, self, w, x, layer, kv)
@@ -134,7 +134,7 @@ def sliding_attention(kern: Kernels, mixer: SlidingAttention, w: SlidingAttentio
     T = x.shape[0]
     H, G, Dh, eps = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.eps
     P = kv.length
-    cos, sin = mixer.rotary(P, T, x.device, x.dtype)                          # [T, Dh]
+    cos, sin = mixer.rotary(P, T, x.device, x.dtype, kv.max_len)              # [T, Dh]
     proj = kern.linear(x, w.qkv)
     if kern.native is not None and T == 1:
         # Everything between the two projections in one call (native/decode.cpp): the norms, the
