@@ -233,3 +233,28 @@ def test_products_are_the_same_bits_at_one_to_four_threads(native, name):
     for threads in (2, 3, 4):
         for a, b in zip(first, with_threads(threads, run)):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), threads
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_for(tmp_path):
+    # torch marks a build with a lock file that only a process ending normally removes; one killed
+    # during its first build left it, and every later process waited for it forever, silently.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import expertcache.kernels as K
+
+    module = load_native()  # built (or loaded) here first, so the child only loads it
+    stale = Path(module.__file__).parent / "lock"
+    stale.write_text("")
+    try:
+        child = subprocess.run([sys.executable, "-c", "from expertcache.kernels import load_native; load_native()"],
+                               capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the child waited for a lock file no build holds")
+    finally:
+        leftover = stale.exists()
+        stale.unlink(missing_ok=True)
+    assert child.returncode == 0, child.stderr
+    assert not leftover and "left by a build of the" in child.stderr
+    assert K.load_native() is module

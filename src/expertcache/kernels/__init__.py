@@ -38,6 +38,8 @@ with different choices can run side by side.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import sys
@@ -118,14 +120,40 @@ def build_native(stem: str, source: Path, what: str, extra_flags: tuple[str, ...
     # the build file names the sources' paths, so two checkouts of the same source (a CI clone, a
     # worktree) compiling from their own paths rebuilt each other's module on every start.
     try:
-        staged = _stage_sources(source, build_dir / "src")
-        return cpp_extension.load(name, sources=[str(staged)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                  verbose=False)
+        with _build_lock(build_dir, what):
+            staged = _stage_sources(source, build_dir / "src")
+            return cpp_extension.load(name, sources=[str(staged)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                      verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         text = str(e).strip()
         first = text.splitlines()[0] if text else type(e).__name__
         raise ExpertCacheError(f"{what}: could not be built ({first}); expected a C++ compiler (g++) "
                                "and the Python headers") from None
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path, what: str):
+    """Held while a module is built or loaded. torch marks a build with a lock file that only a
+    process that ends normally removes: one killed in its first build (SIGTERM, SIGKILL) left it,
+    and every later process then waited for it forever, without a word. This lock is the
+    kernel's (it goes with the process that holds it), so whoever holds it knows that a torch
+    lock file found now is such a leftover, and removes it."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "expertcache.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"expertcache: waiting for another process building the {what}", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                print(f"expertcache: removing {stale}, left by a build of the {what} that was killed",
+                      file=sys.stderr, flush=True)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _stage_sources(source: Path, into: Path) -> Path:
