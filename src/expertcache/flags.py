@@ -119,7 +119,8 @@ def add_kernels_flag(p) -> None:
 def add_cache_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("expert cache")
     g.add_argument("--cache-mode", choices=CACHE_MODES, default=None,
-                   help="cache (default when a size is given), resident (every expert in fast memory) or staging")
+                   help="cache (the default when a size, a --store other than ram or --cache-verify is given), "
+                        "resident (every expert in fast memory; the default otherwise) or staging")
     size = g.add_mutually_exclusive_group()
     size.add_argument("--cache-experts", type=positive_int, help="slots in the cache, in experts")
     size.add_argument("--cache-mem", type=size_bytes, metavar="SIZE", help="cache size in bytes: 300MB, 2GiB, ...")
@@ -151,12 +152,19 @@ def cache_config(args) -> CacheConfig:
     if os.environ.get("EXPERTCACHE_CACHE_TRACE") == "1":
         every = os.environ.get("EXPERTCACHE_CACHE_TRACE_EVERY", "100")
         trace = int(every) if every.isdigit() and int(every) > 0 else 100
-    return CacheConfig(mode=args.cache_mode, experts=args.cache_experts, mem=args.cache_mem,
-                       fraction=args.cache_fraction, policy=args.cache_policy, store=args.store,
-                       verify=args.cache_verify, trace_every=trace, prefetch=getattr(args, "prefetch", "auto"),
-                       prefetch_width=getattr(args, "prefetch_width", 1.0),
-                       prefetch_min_prob=getattr(args, "prefetch_min_prob", 0.0),
-                       predictor=getattr(args, "predictor", None))
+    cfg = CacheConfig(mode=args.cache_mode, experts=args.cache_experts, mem=args.cache_mem,
+                      fraction=args.cache_fraction, policy=args.cache_policy, store=args.store,
+                      verify=args.cache_verify, trace_every=trace, prefetch=getattr(args, "prefetch", "auto"),
+                      prefetch_width=getattr(args, "prefetch_width", 1.0),
+                      prefetch_min_prob=getattr(args, "prefetch_min_prob", 0.0),
+                      predictor=getattr(args, "predictor", None))
+    # --prefetch on outside the slot cache would be ignored without a word, as a size would be in
+    # resident mode (`perplexity --compare` gives each mode its own config: its cache run prefetches).
+    if cfg.prefetch == "on" and cfg.mode != "cache" and not getattr(args, "compare", None):
+        raise ExpertCacheError(f"--prefetch on applies only to the slot cache (--cache-mode cache, the default with "
+                               f"a cache size), and this run is in {cfg.mode} mode: run in cache mode, or drop "
+                               "--prefetch on")
+    return cfg
 
 
 def prefetch_width(text: str) -> float:

@@ -26,7 +26,7 @@ def add_model_flags(p: argparse.ArgumentParser, ctx: bool = True) -> None:
                                                       "to use instead of the model's own tokenizer")
     p.add_argument("--dtype", help="compute dtype: float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    p.add_argument("-t", "--threads", type=threads, help="CPU threads for torch")
+    p.add_argument("-t", "--threads", type=threads, help="CPU threads for torch (default: torch's own, one per core)")
     if ctx:
         p.add_argument("-c", "--ctx-size", type=positive_int, help="context size (default: the model's)")
     p.add_argument("--ubatch", type=positive_int, default=512, help="prefill micro-batch size (default: 512)")

@@ -97,7 +97,8 @@ def register(sub) -> None:
                    help="slots: conversations whose KV state is kept; they run in turn (default: 1)")
     p.add_argument("--no-cache-prompt", action="store_true",
                    help="do not reuse a slot's KV state for a common prompt prefix")
-    p.add_argument("-a", "--alias", help="model id the API reports (default: the model directory's name)")
+    p.add_argument("-a", "--alias", help="model id the API reports (default: the model directory's name, or the GGUF file's "
+                                            "with .gguf)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: none)")
     p.add_argument("--api-key-file", metavar="PATH", help="read the API key from the first line of a file")
