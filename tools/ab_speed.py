@@ -16,6 +16,7 @@ Prints a table and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import re
 import shutil
@@ -29,9 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from expertcache.flags import positive_int  # noqa: E402
+
 
 def import_old(src: Path):
     work = Path(tempfile.mkdtemp(prefix="ab_speed_"))
+    # The copy holds the whole package with its bundled model (tens of MB): each run left one behind.
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     shutil.copytree(src / "expertcache", work / "expertcache_old")
     for py in (work / "expertcache_old").rglob("*.py"):
         text = py.read_text()
@@ -46,14 +51,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--old", required=True, type=Path, help="the old version's src/ directory")
     ap.add_argument("--model", default="bundled", help="a model path, or 'bundled'")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=positive_int, default=1)
     ap.add_argument("--kernels", default="torch")
-    ap.add_argument("--prompt", type=int, default=128, help="prefill tokens per round")
-    ap.add_argument("--steps", type=int, default=8, help="decode steps per round")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--prompt", type=positive_int, default=128, help="prefill tokens per round")
+    ap.add_argument("--steps", type=positive_int, default=8, help="decode steps per round")
+    ap.add_argument("--rounds", type=positive_int, default=7)
     ap.add_argument("--store", help="with --cache-fraction: the slow tier (ram, mmap, disk); default all resident")
     ap.add_argument("--cache-fraction", type=float, help="the cache's size as a fraction of all experts")
     args = ap.parse_args()
+    if not (args.old / "expertcache" / "__init__.py").is_file():
+        ap.error(f"--old {str(args.old)!r} has no expertcache package: expected the src/ directory of a checkout")
     import expertcache
 
     old = import_old(args.old)

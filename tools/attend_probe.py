@@ -42,6 +42,10 @@ def main() -> None:
         positions = [int(p) for p in args.positions.split(",")]
     except ValueError:
         ap.error(f"--positions {args.positions!r}: expected comma-separated integers")
+    # Checked here, not with expertcache.flags: the package is imported from --src only below.
+    for flag in ("threads", "heads", "kv_heads", "head_dim", "rounds", "calls"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected a number >= 1")
     if args.heads % args.kv_heads or args.head_dim % 2 or min(positions) < 1:
         ap.error("expected heads a multiple of kv-heads, an even head dim and positions >= 1")
     sys.path.insert(0, str(args.src))

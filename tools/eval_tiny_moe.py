@@ -222,6 +222,13 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--max-files", type=int, default=None, help="debug: only this many held-out files")
     args = ap.parse_args(argv)
+    # Each window scores the tokens after its first window - stride: with stride >= window none
+    # are, and the scoring slices went empty (a RuntimeError from gather).
+    if not 0 < args.stride < args.window:
+        ap.error(f"--stride {args.stride} with --window {args.window}: expected 0 < stride < window")
+    if not (args.model / "manifest.json").is_file():
+        ap.error(f"--model {str(args.model)!r} has no manifest.json: expected a model written by "
+                 "tools/train_tiny_moe.py (its manifest names the held-out files)")
 
     import torch
     from tokenizers import Tokenizer

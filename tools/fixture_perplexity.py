@@ -29,6 +29,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fixtures", default=",".join(NAMES), help="comma-separated fixture names")
     args = p.parse_args(argv)
+    for name in args.fixtures.split(","):
+        if not (FIXTURES / f"{name}.gguf").is_file() or not (FIXTURES / f"{name}.json").is_file():
+            p.error(f"--fixtures: no fixture {name!r} with its recording in {FIXTURES}: expected names such as "
+                    f"{', '.join(NAMES)}")
     out = {}
     print(f"{'fixture':<30} " + " ".join(f"{a + '/' + d:>24}" for a, d in SETTINGS))
     for name in args.fixtures.split(","):

@@ -29,17 +29,28 @@ from gguf.constants import GGMLQuantizationType as Q
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from gguf_blocks import random_rows  # noqa: E402
 
+from expertcache.flags import positive_int  # noqa: E402
 from expertcache.kernels import TorchKernels  # noqa: E402
 from expertcache.kernels.quant_native import load_quant_native  # noqa: E402
 
 SHAPES = [("Q4_K", 1536, 2048), ("Q6_K", 2048, 768), ("Q8_0", 1536, 2048)]
 
 
+def row_counts(text: str) -> list[int]:
+    try:
+        rows = [int(r) for r in text.split(",")]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated row counts >= 1, got {text!r}")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rows", default="4,8,12,16,24,32,128")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--rows", type=row_counts, default="4,8,12,16,24,32,128", help="comma-separated row counts")
+    ap.add_argument("--rounds", type=positive_int, default=5)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     m = load_quant_native()
@@ -51,7 +62,7 @@ def main(argv=None) -> int:
         qt = Q[name]
         raw = torch.from_numpy(random_rows(qt, n, k, 0, lo=-14, hi=-4))
         tiles = m.tile_rows(raw, qt, k) if m.isa == "avx2" else None  # no tiles on the plain build
-        for T in (int(t) for t in args.rows.split(",")):
+        for T in args.rows:
             x = torch.randn(T, k)
 
             def deq():

@@ -217,7 +217,8 @@ def record(path: Path) -> None:
 
 def main(argv: list[str]) -> None:
     if len(argv) != 2 or argv[0] not in ("build", "record"):
-        raise SystemExit(__doc__)
+        print(__doc__, file=sys.stderr)
+        raise SystemExit(2)
     out = Path(argv[1])
     out.mkdir(parents=True, exist_ok=True)
     names = [out / "spm-tiny.gguf", out / "gemma4-tiny.gguf"]

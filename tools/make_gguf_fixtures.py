@@ -80,6 +80,8 @@ MIX = {  # llama.cpp takes the first pattern that matches (std::regex_search), h
     r"^blk\.1\.attn_q\.weight$": "Q4_1", r"^blk\.1\.attn_k\.weight$": "Q5_1",
     r"^blk\.1\.attn_v\.weight$": "F16", r"^blk\.1\.attn_output\.weight$": "BF16",
 }
+# Marks a --work folder as made by --rebuild: only such a folder is emptied by the next one.
+WORK_MARKER = ".make_gguf_fixtures-work"
 # Qwen3.5's files live in their own folder: its F32 file is there for the exact comparison, and
 # the type-coverage set above stays as it was.
 COMMITTED = ("qwen3_moe-mix", "qwen2_moe-Q4_K_M", "olmoe-Q8_0", "mixtral-Q8_0", "qwen3_5_moe/qwen3_5_moe-F32",
@@ -311,7 +313,8 @@ def bundled(llama_dir: Path, outdir: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "gguf")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/gguf-fixtures"), help="where everything is built")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/gguf-fixtures"),
+                    help="where everything is built; --rebuild empties it first: a new folder or an earlier --work")
     ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_DIR"),
                     help="llama.cpp source tree holding convert_hf_to_gguf.py (default: $LLAMA_CPP_DIR)")
     ap.add_argument("--rebuild", action="store_true", help="build the fixtures and recordings again")
@@ -325,8 +328,16 @@ def main(argv: list[str] | None = None) -> int:
         bundled(args.llama_cpp, args.bundled)
         return 0
     if args.rebuild:
-        if args.work.exists():
+        if args.work.is_symlink() or args.work.exists() and not args.work.is_dir():
+            ap.error(f"--work {str(args.work)!r} is not a directory: expected a new or an earlier --work folder")
+        if args.work.exists() and any(args.work.iterdir()):
+            # Emptied before the build: only a folder an earlier --rebuild made, never one of the user's.
+            if not (args.work / WORK_MARKER).is_file():
+                ap.error(f"--work {str(args.work)!r} holds files that --rebuild did not write (no {WORK_MARKER} "
+                         "in it): expected a new folder or an earlier --work; remove it yourself to reuse it")
             shutil.rmtree(args.work)
+        args.work.mkdir(parents=True, exist_ok=True)
+        (args.work / WORK_MARKER).write_text("made by tools/make_gguf_fixtures.py --rebuild; emptied by the next\n")
         rebuild(args.llama_cpp, args.work, args.out, args.family)
     bad = check(args.out)
     print(f"{bad} recording(s) disagree with llama.cpp" if bad else "all recordings agree with llama.cpp")

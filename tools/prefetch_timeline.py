@@ -33,6 +33,8 @@ import threading
 import time
 
 from expertcache.bench.cache_bench import run_one
+from expertcache.errors import ExpertCacheError
+from expertcache.flags import positive_int
 from expertcache.models.decoder import Decoder
 from expertcache.tiers.cache import ExpertCache
 from expertcache.tiers import store, transfer
@@ -175,9 +177,21 @@ def summarize(events, tokens: int) -> dict:
     return {k: round(v, 2) for k, v in row.items()}
 
 
-def read_cost(path: str, size: int = 9 << 20, n: int = 64) -> dict:
+def weights_file(model: str) -> str:
+    """The model's largest weights file: the GGUF file itself, or the largest .safetensors (or
+    .gguf) of a directory."""
+    if os.path.isfile(model):
+        return model
+    files = [os.path.join(model, f) for f in os.listdir(model) if f.endswith((".safetensors", ".gguf"))]
+    return max(files, key=os.path.getsize)
+
+
+def read_cost(path: str, size: int = 9 << 20, n: int = 64) -> dict | None:
     """CPU ms per GB of a cold preadv (after DONTNEED), of the same read again (page cache hot),
-    and of a cold one with O_DIRECT (page-aligned offsets into a page-aligned buffer)."""
+    and of a cold one with O_DIRECT (page-aligned offsets into a page-aligned buffer); None for a
+    file too small to hold one pair of reads."""
+    if os.path.getsize(path) < 4096 + 2 * size:
+        return None
     fd = os.open(path, os.O_RDONLY)
     direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
@@ -200,20 +214,29 @@ def read_cost(path: str, size: int = 9 << 20, n: int = 64) -> dict:
     return {f"{kind}_cpu_ms_per_gb": round(t / gb * 1e3) for kind, t in cpu.items()}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
     ap.add_argument("trace")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--fraction", type=float, default=0.25)
-    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--decode", type=positive_int, default=64)
     ap.add_argument("--reads", choices=("direct", "buffered", "both"), default="both",
                     help="the disk store's reads: O_DIRECT where the file allows (its default), buffered, "
                          "or both in turn (default)")
-    ap.add_argument("--rounds", type=int, default=1, help="rounds of every configuration, in turn (default: 1)")
+    ap.add_argument("--rounds", type=positive_int, default=1,
+                    help="rounds of every configuration, in turn (default: 1)")
     ap.add_argument("--prefetch-width", type=float, default=1.0, help="as `bench cache` (default: 1.0)")
     ap.add_argument("--prefetch-min-prob", type=float, default=0.0, help="as `bench cache` (default: 0)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    try:
+        return measure(args)
+    except ExpertCacheError as e:
+        print(f"prefetch_timeline: {e}", file=sys.stderr)
+        return 2
+
+
+def measure(args) -> int:
     timed(Decoder, "forward", "forward")
     timed_acquire()
     counted_alignment()
@@ -246,10 +269,12 @@ def main() -> int:
     for row in rows:
         print(f"{row['round']:<6}{row['reads']:<9}{row['prefetch']:<9}{row['disk_gb_s']:>6.2f}"
               + "".join(f"{row[c]:>14.1f}" for c in cols))
-    files = [os.path.join(args.model, f) for f in sorted(os.listdir(args.model)) if f.endswith(".safetensors")]
-    cost = read_cost(max(files, key=os.path.getsize))
-    print(f"a cold 9 MiB preadv costs {cost['cold_cpu_ms_per_gb']} ms of CPU per GB, the copy from a hot "
-          f"page cache {cost['hot_cpu_ms_per_gb']}, a cold read with O_DIRECT {cost['direct_cpu_ms_per_gb']}")
+    cost = read_cost(weights_file(args.model))
+    if cost is None:
+        print("the model's weights are under 18 MiB: too small to time a cold 9 MiB preadv")
+    else:
+        print(f"a cold 9 MiB preadv costs {cost['cold_cpu_ms_per_gb']} ms of CPU per GB, the copy from a hot "
+              f"page cache {cost['hot_cpu_ms_per_gb']}, a cold read with O_DIRECT {cost['direct_cpu_ms_per_gb']}")
     print(json.dumps({"threads": args.threads, "fraction": args.fraction, "rows": rows, "read_cost": cost}))
     return 0
 

@@ -6,7 +6,8 @@ weights.
 
 llama.cpp's own converter (convert_hf_to_gguf.py) refuses tokenizers it does not recognise, such
 as synth's byte-level one; this writes the same tensors and model metadata with the `gguf`
-package's own name table and a GPT-2 style tokenizer entry built from tokenizer.json.
+package's own name table and a GPT-2 style tokenizer entry built from tokenizer.json. An existing
+output file is replaced only with --force, and only when this tool wrote it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from expertcache.checkpoint.writer import atomic_gguf, check_output_file  # noqa: E402
 from expertcache.errors import ExpertCacheError  # noqa: E402
 from expertcache.models.loader import open_model  # noqa: E402
+from expertcache.models.synth_gguf import MARKER_KEY  # noqa: E402
+
+# A BPE vocabulary needs tokenizer.ggml.merges in llama.cpp (and gguf refuses an empty array): for
+# a tokenizer without merges, one that can never apply. Text starts as single characters and only
+# merges join them, so a part longer than one character is never a piece; expertcache drops a
+# merge whose parts are not tokens. A real merge (" t" into one token) changed the ids text gets.
+NO_MERGE = "\u0120\u0120\u0120 \u0120\u0120\u0120"
 
 
 def pre_tokenizer(tok: dict) -> str:
@@ -40,8 +48,8 @@ def pre_tokenizer(tok: dict) -> str:
     for name, (want, _, _) in PRE_TOKENIZERS.items():
         if name != "default" and want == regexes:
             return name
-    raise SystemExit(f"to_gguf: tokenizer.json splits text by {regexes!r}, which no tokenizer.ggml.pre of "
-                     "llama.cpp's names; expected a byte-level (GPT-2) split")
+    raise ExpertCacheError(f"tokenizer.json splits text by {regexes!r}, which no tokenizer.ggml.pre of "
+                           "llama.cpp's names; expected a byte-level (GPT-2) split")
 
 
 def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, object]:
@@ -54,21 +62,31 @@ def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, object]:
     return t.float().contiguous().numpy(), gguf.GGMLQuantizationType.F32
 
 
-def _is_gguf(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
-
-
-def convert(model_dir: Path, out: Path) -> None:
+def _is_ours(path: Path) -> bool:
     import gguf
 
-    # Before any work: never the source's weights or another file of the user's, in a directory
-    # that exists.
-    out = check_output_file(out, True, "a GGUF file", _is_gguf)
+    try:
+        return gguf.GGUFReader(path).fields.get(MARKER_KEY) is not None
+    except Exception:  # not a GGUF at all: certainly not ours
+        return False
+
+
+def convert(model_dir: Path, out: Path, force: bool = False) -> None:
+    import gguf
+
+    # Before any work: never the source's weights, another GGUF (llama.cpp's own conversion of the
+    # model, a quantized file) or any other file of the user's, in a directory that exists.
+    out = check_output_file(out, force, "to_gguf's output", _is_ours)
+    model_dir = Path(model_dir)
     m = open_model(model_dir)
+    if not (model_dir / "tokenizer.json").is_file():
+        raise ExpertCacheError(f"model {str(model_dir)!r} has no tokenizer.json: expected a Hugging Face "
+                               "checkpoint directory with one")
     cfg, ckpt = m.cfg, m.ckpt
     if cfg.model_type != "qwen3_moe" or any(not s for s in cfg.sparse_layers):
-        raise SystemExit("to_gguf: only Qwen3-MoE checkpoints with every layer sparse are supported")
+        raise ExpertCacheError(f"model {str(model_dir)!r} is {cfg.model_type}"
+                               f"{'' if cfg.model_type != 'qwen3_moe' else ' with dense layers'}: expected a "
+                               "Qwen3-MoE checkpoint with every layer sparse")
     arch = gguf.MODEL_ARCH.QWEN3MOE
     names = gguf.get_tensor_name_map(arch, cfg.num_layers)
     # Written beside `out` and renamed in once complete: a failure leaves no partial file.
@@ -87,6 +105,7 @@ def convert(model_dir: Path, out: Path) -> None:
         w.add_expert_used_count(cfg.top_k)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         w.add_expert_weights_norm(cfg.norm_topk_prob)
+        w.add_string(MARKER_KEY, "tools/to_gguf.py")
 
         tok = json.loads((model_dir / "tokenizer.json").read_text())
         vocab = {**tok["model"]["vocab"], **{a["content"]: a["id"] for a in tok.get("added_tokens", [])}}
@@ -101,12 +120,7 @@ def convert(model_dir: Path, out: Path) -> None:
         w.add_tokenizer_pre(pre_tokenizer(tok))
         w.add_token_list(tokens)
         w.add_token_types(types)
-        merges = tok["model"].get("merges") or []
-        if not merges:
-            # llama.cpp refuses a BPE vocabulary without merges: give it one, on an unused id.
-            free = types.index(gguf.TokenType.UNUSED)
-            tokens[free], types[free] = "\u0120t", gguf.TokenType.NORMAL
-            merges = ["\u0120 t"]
+        merges = tok["model"].get("merges") or [NO_MERGE]
         w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
         if cfg.eos_token_id:
             w.add_eos_token_id(cfg.eos_token_id[0])
@@ -136,13 +150,14 @@ def convert(model_dir: Path, out: Path) -> None:
         w.write_tensors_to_file(progress=True)
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", required=True, type=Path)
     ap.add_argument("-o", "--output", required=True, type=Path)
-    args = ap.parse_args()
+    ap.add_argument("--force", action="store_true", help="replace an earlier output of this tool")
+    args = ap.parse_args(argv)
     try:
-        convert(args.model, args.output)
+        convert(args.model, args.output, args.force)
     except ExpertCacheError as e:
         print(f"to_gguf: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,8 @@ never trained on (nor used to fit the tokenizer).
 The result is a real Hugging Face checkpoint (config.json, model.safetensors,
 tokenizer.json, tokenizer_config.json, generation_config.json, manifest.json)
 written to ``src/expertcache/assets/tiny-qwen3-moe/`` by default, plus a
-held-out text sample ``src/expertcache/assets/heldout.txt``.
+held-out text sample beside it, ``src/expertcache/assets/heldout.txt`` (with ``--out DIR``:
+``DIR/../heldout.txt`` unless ``--heldout-out`` says otherwise).
 
 Typical use (2 CPU cores)::
 
@@ -257,7 +258,9 @@ def dir_size(path: Path) -> int:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="model output directory")
-    ap.add_argument("--heldout-out", type=Path, default=DEFAULT_HELDOUT, help="held-out text sample to write")
+    ap.add_argument("--heldout-out", type=Path, default=None,
+                    help="held-out text sample to write (default: heldout.txt beside --out, which for the "
+                         "default --out is the bundled src/expertcache/assets/heldout.txt)")
     ap.add_argument("--heldout-bytes", type=int, default=350_000)
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK, help="work dir for checkpoints (ckpt.pt)")
     ap.add_argument("--manifest", type=Path, default=None, help="train from this manifest (files verified by sha256)")
@@ -299,7 +302,12 @@ def parse_args(argv=None):
                     help="CPU autocast for matmuls (master weights and optimizer stay fp32)")
     ap.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max-model-mb", type=float, default=32.0)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    # Beside the model it goes with: a model written elsewhere (a second corpus, an experiment)
+    # replaced the bundled model's held-out text, which the GGUF fixtures' recordings are cut from.
+    if args.heldout_out is None:
+        args.heldout_out = args.out.parent / DEFAULT_HELDOUT.name
+    return args
 
 
 def main(argv=None) -> int:
@@ -368,6 +376,9 @@ def main(argv=None) -> int:
     train_bytes = sum(len(t.encode("utf-8")) for t in train_texts)
     L = args.seq_len
     n_blocks = (len(stream) - 1) // L
+    if n_blocks < args.batch:
+        raise SystemExit(f"error: the training split holds {n_blocks} sequences of --seq-len {L} tokens, fewer than "
+                         f"--batch {args.batch}: expected a larger corpus (--corpus-mb) or a smaller batch")
     print(f"train tokens {len(stream):,} ({train_bytes/len(stream):.2f} bytes/token), "
           f"{n_blocks} blocks of {L}; {args.steps} steps x {args.batch} x {L} = "
           f"{args.steps*args.batch*L/len(stream):.2f} epochs", flush=True)

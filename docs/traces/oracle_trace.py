@@ -13,10 +13,15 @@ token and the bound is the planning's, not the predictor's. Run from the reposit
 
 import argparse
 import dataclasses
+import sys
+from pathlib import Path
 
 import numpy as np
 
 from expertcache.bench.trace import load_trace, save_trace
+from expertcache.checkpoint.writer import atomic_file, check_output_file
+from expertcache.commands.trace import _is_trace
+from expertcache.errors import ExpertCacheError
 
 
 def oracle(trace):
@@ -35,13 +40,25 @@ def oracle(trace):
                                pred_prob=prob)
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace")
     ap.add_argument("out")
-    args = ap.parse_args()
-    save_trace(oracle(load_trace(args.trace)), args.out)
+    args = ap.parse_args(argv)
+    try:
+        # As `trace record` writes one: an earlier trace is replaced, never another file, and
+        # never the recording this copy is made from; a failed write leaves what was there.
+        if Path(args.out).resolve() == Path(args.trace).resolve():
+            raise ExpertCacheError(f"output {args.out!r} is the trace read: expected another path")
+        out = check_output_file(args.out, True, "a trace", _is_trace)
+        trace = oracle(load_trace(args.trace))
+        with atomic_file(out) as tmp:
+            save_trace(trace, tmp, name=args.out)
+    except ExpertCacheError as e:
+        print(f"oracle_trace: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
