@@ -11,6 +11,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 
 import torch
 
@@ -109,7 +110,11 @@ class RopeConfig:
         factor = number("factor")
         original = None
         if kind == "yarn":
-            where, original = key("original_max_position_embeddings", top=True)
+            # A top-level value wins over the RoPE section's, as in transformers (Phi-3 style
+            # configs keep the pretraining length there).
+            where, original = "original_max_position_embeddings", raw.get("original_max_position_embeddings")
+            if original is None:
+                where, original = key("original_max_position_embeddings")
             if original is None:
                 original = max_position
             elif isinstance(original, bool) or not isinstance(original, int) or original < 1:
@@ -289,7 +294,9 @@ def parse_size(text: str) -> int:
     if not m or unit not in _UNITS:
         raise ExpertCacheError(f"cannot parse size {text!r}: expected a number with an optional unit, "
                                "such as 300MB, 2GiB or 512KiB")
-    return int(float(m.group(1)) * _UNITS[unit])
+    # Exact decimal arithmetic: float('2.01') * 10**9 is 2009999999.9999998, which int() cut to
+    # one byte short of what was written.
+    return int(Decimal(m.group(1)) * _UNITS[unit])
 
 
 CACHE_MODES = ("cache", "resident", "staging")
