@@ -6,7 +6,8 @@ token ids llama.cpp gives (src/llama-vocab.cpp is the reference this follows):
 - 'llama': SentencePiece-style. llama.cpp merges adjacent pieces by the score of the merged
   token (whatever algorithm trained the vocabulary), prefixes a space and writes spaces as '▁',
   and falls back to <0xXX> byte tokens; that is BPE with merges ranked by score.
-- 'gemma4': BPE on raw UTF-8 with '▁' for spaces, split only at newlines, <0xXX> byte fallback.
+- 'gemma4': BPE on raw UTF-8 with '▁' for spaces, split only at newlines, <0xXX> byte fallback; a
+  newline run is one token only where it is a token.
 
 Control, unknown and user-defined tokens become added tokens, matched in the text before
 anything else as llama.cpp does; control and unknown ones are special (skipped when decoding).
@@ -54,7 +55,6 @@ PRE_TOKENIZERS: dict[str, tuple[list[str], bool, bool]] = {
     **{k: ([_LLAMA3], False, False) for k in ("glm4", "chatglm-bpe")},  # CHATGLM4 has llama3's regex
     **{k: (_DEEPSEEK3, False, False) for k in ("deepseek-v3", "hunyuan-dense")},
 }
-_GEMMA4_SPLIT = r"[^\n]+|[\n]+"
 
 # llama.cpp recognises some tokens by their text (llama_vocab::impl::load): these end generation,
 _EOG_TEXTS = {
@@ -233,11 +233,22 @@ def _byte_level_bpe(vocab, merges, regexes: list[str], ignore_merges: bool) -> T
 
 
 def _gemma4_bpe(vocab, merges) -> Tokenizer:
-    # llama.cpp takes a whole newline run as one token when it is one; ignore_merges does that
-    # for every piece, which differs only for a line that is itself a token yet merges otherwise.
-    tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, ignore_merges=True))
+    # llama.cpp takes a newline run whole when it is a token and merges every other piece up from
+    # its characters, so a line that spells a byte or control token stays text (ignore_merges would
+    # take any piece that is a token whole). Where no merge joins newlines (Gemma 4's), llama.cpp
+    # leaves a run that is no token as single newlines: such runs are cut so, and a run that is a
+    # token is kept apart and reached by merges of its own, larger results first so that every
+    # length merges up to one token.
+    split = r"[^\n]+|\n+"
+    if not any(not (a + b).strip("\n") for a, b in merges):
+        runs = sorted((len(t) for t in vocab if t and not t.strip("\n")), reverse=True)
+        merges = merges + [("\n" * j, "\n" * (k - j)) for k in runs for j in range(k - 1, 0, -1)
+                           if "\n" * j in vocab and "\n" * (k - j) in vocab]
+        if runs:
+            split = r"[^\n]+|(?<!\n)(?:" + "|".join(f"\\n{{{k}}}" for k in runs) + r")(?!\n)|\n"
+    tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True))
     tok.normalizer = normalizers.Replace(" ", "▁")
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(_GEMMA4_SPLIT), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(split), behavior="isolated")
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     return tok
 
