@@ -32,18 +32,9 @@ from gguf_blocks import random_rows  # noqa: E402
 from expertcache.flags import positive_int  # noqa: E402
 from expertcache.kernels import TorchKernels  # noqa: E402
 from expertcache.kernels.quant_native import load_quant_native  # noqa: E402
+from matmul_probe import row_counts  # noqa: E402  (beside this file)
 
 SHAPES = [("Q4_K", 1536, 2048), ("Q6_K", 2048, 768), ("Q8_0", 1536, 2048)]
-
-
-def row_counts(text: str) -> list[int]:
-    try:
-        rows = [int(r) for r in text.split(",")]
-    except ValueError:
-        rows = []
-    if not rows or min(rows) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated row counts >= 1, got {text!r}")
-    return rows
 
 
 def main(argv=None) -> int:
