@@ -160,3 +160,29 @@ def test_ctrl_c_says_where_it_stopped_in_one_line(tiny_checkpoint, tmp_path, cap
     ids = model.tokenizer.encode(f.read_text(), parse_special=False)
     _, _, running, _ = hand_perplexity(model, ids, 16, 2)
     assert float(m.group(1)) == pytest.approx(running[1], abs=1e-4)
+
+
+def test_chunks_minus_one_is_every_chunk_as_in_llama_perplexity(tmp_path, capsys):
+    from expertcache.tokenizer import Tokenizer
+
+    f = tmp_path / "t.txt"
+    f.write_text(text_of_tokens(Tokenizer(BUNDLED_MODEL), 50))
+    outs = []
+    for extra in ([], ["--chunks", "-1"], ["--chunks", "2"]):
+        assert main(["perplexity", "-m", str(BUNDLED_MODEL), "-f", str(f), "-c", "16", "--json", *extra]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0]["chunks"] == outs[1]["chunks"] == 3 and outs[2]["chunks"] == 2
+    assert outs[0]["chunk_nll"] == outs[1]["chunk_nll"]
+    from conftest import assert_one_line_error, run_cli
+
+    for bad in ("-2", "0"):
+        assert_one_line_error(*run_cli(capsys, "perplexity", "-m", str(BUNDLED_MODEL), "-f", str(f), "--chunks", bad),
+                              "--chunks")
+
+
+def test_an_empty_compare_is_refused_not_ignored(tmp_path, capsys):
+    f = tmp_path / "t.txt"
+    f.write_text("w1 w2")
+    code = main(["perplexity", "-m", str(BUNDLED_MODEL), "-f", str(f), "--compare", ""])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "give at least two different cache modes" in err

@@ -16,7 +16,7 @@ from .common import add_model_flags, read_text_file
 
 
 def cmd_perplexity(args) -> int:
-    modes = _parse_modes(args.compare) if args.compare else None
+    modes = _parse_modes(args.compare) if args.compare is not None else None
     if modes and args.cache_mode is not None:
         raise ExpertCacheError("give --cache-mode or --compare, not both")
     text = read_text_file(args.file)
@@ -203,6 +203,11 @@ def _print_table(runs) -> None:
           "(compare speeds with `expertcache bench`)")
 
 
+def _chunks(text: str) -> int | None:
+    """--chunks N: N >= 1, or llama-perplexity's -1 for every chunk."""
+    return None if text.strip() == "-1" else positive_int(text)
+
+
 def register(sub) -> None:
     p = sub.add_parser("perplexity", help="perplexity of a text file, computed as llama-perplexity does")
     add_model_flags(p, ctx=False)
@@ -210,7 +215,7 @@ def register(sub) -> None:
                    help="tokens per chunk, n_ctx (default: 512)")
     add_cache_flags(p)
     p.add_argument("-f", "--file", required=True, help="UTF-8 text file to evaluate")
-    p.add_argument("--chunks", type=positive_int, help="evaluate at most N chunks (default: all)")
+    p.add_argument("--chunks", type=_chunks, help="evaluate at most N chunks (default, or -1 as in llama-perplexity: all)")
     p.add_argument("--compare", metavar="MODES",
                    help="run in each cache mode (comma-separated: resident,staging,cache) and check that every "
                         "chunk is bitwise equal; exit 1 if not")
