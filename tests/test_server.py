@@ -470,6 +470,13 @@ def test_serve_busy_port_is_one_line_error(ckpt, capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("alias", ["", "  "])
+def test_serve_empty_alias_is_one_line_error(ckpt, capsys, alias):
+    assert cli.main(["serve", "-m", str(ckpt), "--port", "0", "--alias", alias]) == 2
+    err = capsys.readouterr().err
+    assert "--alias" in err and err.count("\n") == 1
+
+
 def _bench(args) -> tuple[str, dict]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

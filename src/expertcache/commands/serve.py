@@ -41,6 +41,9 @@ def cmd_serve(args) -> int:
                                "pip install 'expertcache[server]'") from None
     if not 0 <= args.port <= 65535:
         raise ExpertCacheError(f"--port {args.port} must be in 0..65535")
+    if args.alias is not None and not args.alias.strip():
+        # An empty id would fall back to the directory's name without a word.
+        raise ExpertCacheError(f"--alias {args.alias!r}: expected a model id (leave it out for the model's name)")
     api_key = read_api_key(args.api_key, args.api_key_file)
     sock = _listen(args.host, args.port)  # before loading: a busy port fails fast
     host, port = sock.getsockname()[:2]
