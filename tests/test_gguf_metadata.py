@@ -77,8 +77,8 @@ GEMMA4 = FIXTURES / "gemma4" / "gemma4-Q8_0.gguf"
      "llama.rope.dimension_count 8: expected the head dim 16"),
     (MIX, {"qwen3moe.attention.value_length": _u32(32)},
      "qwen3moe.attention.value_length 32: expected the key length 64"),
-    (MIX, {"qwen3moe.rope.scaling.type": _s("yarn"), "qwen3moe.rope.scaling.factor": _f32(4.0)},
-     "qwen3moe.rope.scaling.type 'yarn' is not supported: expected none or linear"),
+    (MIX, {"qwen3moe.rope.scaling.type": _s("longrope"), "qwen3moe.rope.scaling.factor": _f32(4.0)},
+     "qwen3moe.rope.scaling.type 'longrope' is not supported: expected none, linear or yarn"),
     (MIX, {"qwen3moe.rope.scaling.factor": _s("4")}, "qwen3moe.rope.scaling.factor '4': expected a number >= 0"),
     (MIX, {"qwen3moe.rope.scaling.attn_factor": _f32(2.0)}, "qwen3moe.rope.scaling.attn_factor 2.0 is not supported"),
     (MIX, {"qwen3moe.expert_gating_func": _u32(2)},
@@ -86,7 +86,7 @@ GEMMA4 = FIXTURES / "gemma4" / "gemma4-Q8_0.gguf"
     (MIX, {"qwen3moe.expert_weights_scale": _f32(2.5)}, "qwen3moe.expert_weights_scale 2.5 is not supported"),
     # Gemma 4's layers take their own RoPE tables (theta only): a linear factor is refused there.
     (GEMMA4, {"gemma4.rope.scaling.factor": _f32(2.0)}, "gemma4.rope.scaling.factor 2.0: linear RoPE scaling"),
-], ids=["rot-qwen3moe", "rot-llama", "value-length", "yarn", "factor-string", "attn-factor", "gating-sigmoid",
+], ids=["rot-qwen3moe", "rot-llama", "value-length", "longrope", "factor-string", "attn-factor", "gating-sigmoid",
         "weights-scale", "gemma4-linear"])
 def test_metadata_that_would_change_the_math_is_refused_in_one_line(tmp_path, capsys, src, kv, needle):
     # Each was ignored: the file loaded and computed another model than llama.cpp's.

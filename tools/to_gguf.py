@@ -71,6 +71,25 @@ def _is_ours(path: Path) -> bool:
         return False
 
 
+def _add_rope_scaling(w, rope, model_dir: Path) -> None:
+    """The checkpoint's RoPE scaling, as llama.cpp's converter writes it: left out, the file would
+    be another model (plain RoPE). YaRN's other parameters are ones llama.cpp fixes for qwen3moe."""
+    import gguf
+
+    if rope.type == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope.factor)
+    elif rope.type == "yarn":
+        if (rope.beta_fast, rope.beta_slow, rope.attention_factor, rope.mscale, rope.mscale_all_dim,
+                rope.truncate) != (32.0, 1.0, None, None, None, True):
+            raise ExpertCacheError(f"model {str(model_dir)!r} sets YaRN parameters beyond factor and "
+                                   "original_max_position_embeddings, which llama.cpp does not read for qwen3moe: "
+                                   "expected a rope_scaling of {rope_type: yarn, factor, original_max_position_embeddings}")
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope.factor)
+        w.add_rope_scaling_orig_ctx_len(rope.original_max_position)
+
+
 def convert(model_dir: Path, out: Path, force: bool = False) -> None:
     import gguf
 
@@ -100,6 +119,7 @@ def convert(model_dir: Path, out: Path, force: bool = False) -> None:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
         w.add_rope_freq_base(cfg.rope.theta)
+        _add_rope_scaling(w, cfg.rope, model_dir)
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.top_k)

@@ -245,10 +245,21 @@ def _check_kinds(a: str, md: _ReadKeys) -> None:
 _OWN_ROTARY = ("gemma4",)
 
 
+# The YaRN keys llama.cpp's converter writes from a rope_scaling that gives them, with the value
+# llama.cpp computes these families with: it reads them only for other architectures (DeepSeek,
+# Grok, ...), so for these a file's other value would be a model llama.cpp does not run.
+_YARN_FIXED = {"rope.scaling.yarn_beta_fast": (32.0,), "rope.scaling.yarn_beta_slow": (1.0,),
+               "rope.scaling.yarn_ext_factor": (1.0, -1.0),  # -1: llama.cpp's "computed", 1 for YaRN
+               "rope.scaling.yarn_attn_factor": (1.0,), "rope.scaling.yarn_log_multiplier": (0.0,)}
+
+
 def _rope_from_gguf(a: str, get, theta: float, shared_rotary: bool) -> RopeConfig:
     """RoPE as llama.cpp reads it: `rope.scaling.type` defaults to linear, its factor is
     `rope.scaling.factor` or the older `rope.scale_linear` (0 or absent: none), type none ignores
-    the factor, and `rope.scaling.attn_factor` scales cos and sin whatever the type."""
+    the factor, and `rope.scaling.attn_factor` scales cos and sin whatever the type. YaRN takes
+    the context before scaling from `rope.scaling.original_context_length` (0 or absent: the
+    context length) and llama.cpp's fixed beta_fast 32, beta_slow 1 and magnitude 0.1 ln(factor) + 1,
+    the function transformers computes for a rope_scaling of {yarn, factor, original_max_position_embeddings}."""
     kind = get("rope.scaling.type")
     key = "rope.scaling.factor" if get("rope.scaling.factor") is not None else "rope.scale_linear"
     factor = get(key, 0.0)
@@ -257,12 +268,29 @@ def _rope_from_gguf(a: str, get, theta: float, shared_rotary: bool) -> RopeConfi
     attn = get("rope.scaling.attn_factor")
     if attn is not None and (isinstance(attn, bool) or attn != 1):
         raise ExpertCacheError(f"{a}.rope.scaling.attn_factor {attn!r} is not supported: expected 1.0")
-    if kind == "none" or (kind in (None, "linear") and factor in (0, 1)):
+    if kind not in (None, "none", "linear", "yarn"):
+        raise ExpertCacheError(f"{a}.rope.scaling.type {kind!r} is not supported: expected none, linear or yarn")
+    if kind == "yarn":
+        for k, fixed in _YARN_FIXED.items():
+            v = get(k)
+            if v is not None and (isinstance(v, bool) or v not in fixed):
+                raise ExpertCacheError(f"{a}.{k} {v!r} is not supported: expected {fixed[0]} (llama.cpp computes "
+                                       f"{a} with {fixed[0]} whatever the file says)")
+    if kind == "none" or (kind in (None, "linear", "yarn") and factor in (0, 1)):
+        # YaRN at factor 1 interpolates nothing and scales by 1: plain RoPE, as in llama.cpp.
         return RopeConfig(theta=theta)
-    if kind not in (None, "linear"):
-        raise ExpertCacheError(f"{a}.rope.scaling.type {kind!r} is not supported: expected none or linear")
     if not shared_rotary:
-        raise ExpertCacheError(f"{a}.{key} {factor!r}: linear RoPE scaling is not supported for {a}")
+        raise ExpertCacheError(f"{a}.{key} {factor!r}: {kind or 'linear'} RoPE scaling is not supported for {a}")
+    if kind == "yarn":
+        original = get("rope.scaling.original_context_length", 0)
+        if isinstance(original, bool) or not isinstance(original, int) or original < 0:
+            raise ExpertCacheError(f"{a}.rope.scaling.original_context_length {original!r}: expected an integer "
+                                   ">= 0 (the context before YaRN; 0: the context length)")
+        if not original:
+            original = get("context_length")
+            if original is None:
+                raise KeyError(f"{a}.context_length")
+        return RopeConfig(theta=theta, type="yarn", factor=float(factor), original_max_position=original)
     return RopeConfig(theta=theta, type="linear", factor=float(factor))
 
 
