@@ -138,6 +138,7 @@ class ExpertCache:
         self.views = {layer: by_format[fmt] for layer, fmt in self.formats.items()}
         self._empty()
         self.transfers = Transfers(self.device, capacity)
+        self.transfers.own(pool)
         if self.mode == "resident":
             self._fill_all()
 
@@ -676,9 +677,21 @@ class ExpertCache:
         self.store = store
         if reason != "source":
             self._invalidate_all(reason)
+            pool, geometry = self.pool, (self.num_experts, self.moe_layers, self.formats, self.slot_bytes,
+                                         self.expert_bytes)
             self._adopt_geometry(store)
             self.telemetry_.expert_bytes = self.expert_bytes
-            self._allocate(capacity)
+            try:
+                self._allocate(capacity)
+            except ExpertCacheError:
+                if self.pool is pool:
+                    # Not allocated: the old pool and its views stay, and so must the geometry they
+                    # were made for. Adopted, the retry (`_switching`) would find no change and
+                    # keep the old pool: copies of the new experts into slots of the old size.
+                    (self.num_experts, self.moe_layers, self.formats, self.slot_bytes,
+                     self.expert_bytes) = geometry
+                    self.telemetry_.expert_bytes = self.expert_bytes
+                raise
             self._switching = False
             return {reason: 1}
         stale = [c.key for c in self.content

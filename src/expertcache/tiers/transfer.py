@@ -37,6 +37,19 @@ class Transfers:
         self.last_prefetch: list = [None] * capacity  # event after the last prefetch copy into each slot
         self._pending = False
 
+    def own(self, pool: torch.Tensor) -> None:
+        """Take `pool` (just allocated on the compute stream) for the copy streams. Torch's
+        allocator orders a block's reuse on the stream it was allocated on only: without this,
+        a first copy could land before the pool's own zero fill (or before the last kernels
+        reading the memory the allocator gave it), and a freed pool (resized, reloaded, the
+        model dropped) could go to another tensor while copies into it are still queued."""
+        if not self.cuda:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        for stream in (self.stream, self.prefetch_stream):
+            stream.wait_stream(compute)
+            pool.record_stream(stream)
+
     def copy(self, slots: list[int], do_copy: Callable[[bool], None]) -> None:
         """Run `do_copy(non_blocking)` to fill `slots`, after their last readers (and any
         prefetch copy into them) have finished."""
