@@ -248,6 +248,10 @@ class Model:
             own = old.residual_hook is ours.own
             self._wire_prefetch(residual=own)
         self.version += 1
+        # Other weights may take more per token (a wider model, more experts per token): the
+        # stretch planned for the old ones would run over --prefill-mem.
+        self.stretch = plan_stretch(self.net.activation_bytes(1), self.options.prefill_stretch,
+                                    self.options.prefill_mem)
 
     # ---- forwards ----
     def logits(self, token_ids) -> torch.Tensor:

@@ -42,12 +42,18 @@ def host_zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: t
         region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as e:
         raise MemoryError(f"cannot map {nbytes} bytes: {e.strerror}") from None
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # a kernel built without transparent huge pages: ordinary pages, same data
-        pass
     raw = torch.frombuffer(region, dtype=torch.uint8)
     skip = -raw.data_ptr() % HUGE_PAGE
+    # Huge pages for the tensor's whole 2 MiB pages only: one over its tail would be faulted in
+    # whole, up to 2 MiB of RSS beyond the tensor (a slot pool beyond its --cache-mem, a MiB a
+    # weight on average), and where the system gives huge pages unasked ("always") the tail must
+    # be told not to take one.
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, skip, whole)
+        region.madvise(mmap.MADV_NOHUGEPAGE, skip + whole, len(region) - skip - whole)
+    except OSError:  # a kernel built without transparent huge pages: ordinary pages, same data
+        pass
     # Written now, so that the pages are faulted in here (as huge pages, while the advice holds)
     # and not during the first forward that touches them, as torch.zeros would also do.
     return raw[skip: skip + nbytes].zero_().view(dtype).view(tuple(shape))
