@@ -203,11 +203,20 @@ def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bo
     built (no compiler, no ninja) it says so in one line and uses torch's. `quantized` builds the
     kernels over quantized blocks too, before any weight is read. `activations` (see
     `ACTIVATIONS_CHOICES`) decides whether products with quantized weights round their
-    activations to 8 bits first."""
+    activations to 8 bits first; q8 is llama.cpp's numerics whatever the storage types (with
+    `quantized` false, the experts being float, in float32 only: in bf16 it would change
+    nothing, and is refused)."""
     check_choice(kernels, device, dtype, activations)
-    if quantized and activations == "q8" and dtype == torch.float16:  # the 8-bit kernels take fp32 or bf16 rows
+    if activations == "q8" and dtype == torch.float16:  # the 8-bit kernels take fp32 or bf16 rows
         raise ExpertCacheError("--activations q8 rounds float32 or bfloat16 activations; got dtype float16, "
                                "expected --dtype bfloat16 or float32")
+    if activations == "q8" and not quantized and dtype != torch.float32:
+        # Without quantized experts, q8 is llama.cpp's float numerics: its norms and GELU, and the
+        # input rounded to fp16 or bf16 beside F16 and BF16 matrices, which in bf16 is the input
+        # itself: it would change nothing there, silently.
+        raise ExpertCacheError(f"--activations q8 on a model without quantized experts is llama.cpp's numerics in "
+                               f"float32 (its norms and GELU); got dtype {str(dtype).removeprefix('torch.')}, "
+                               "expected --dtype float32")
     chosen: Kernels = TorchKernels()
     if not (kernels == "torch" or (kernels == "auto" and (device.type != "cpu" or dtype != torch.bfloat16))):
         try:
@@ -231,12 +240,14 @@ def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bo
     # matrix decoded per call and most expert products a few dozen rows (512 tokens on Qwen3-30B
     # shapes, Q4_K_M: 323-466 tok/s q8 against 242-271 exact; Gemma 4 shapes 172-191 against
     # 118-150; docs/benchmarks.md), so there every product takes the integer kernels.
-    if quantized and activations == "q8":
+    # q8 whatever the storage types: on a file of F32, F16 or BF16 weights, llama.cpp's numerics are
+    # its norms and GELU, and the fp16 or bf16 rounding of the input beside F16 and BF16 matrices.
+    if activations == "q8":
         chosen.act8_rows = ALL_ROWS
     elif quantized and activations == "auto" and isinstance(chosen, NativeKernels):
         chosen.act8_rows = AUTO_ACT8_ROWS if _has_gemm(torch.bfloat16) else ALL_ROWS
     # llama.cpp's numerics in full: its norms too (their outputs are the next rounding's input).
-    chosen.ggml_norms = chosen.act8_rows == ALL_ROWS and dtype == torch.float32
+    chosen.ggml_norms = activations == "q8" and dtype == torch.float32
     if chosen.act8:
         chosen.quant  # noqa: B018 (the rounding is native on either kernel set: built now)
     return chosen
@@ -409,7 +420,9 @@ class Kernels:
     def multiplies_blocks(self) -> bool:
         """Whether dense quantized matrices are best kept as blocks (`load_dense`): with 8-bit
         activations their integer products beat bf16 ones (tools/quant_gemv_probe.py); with exact
-        ones a bf16 matrix dequantized at load streams faster than decoding blocks to fp32."""
+        ones a bf16 matrix dequantized at load streams faster than decoding blocks to fp32. A
+        GGUF's F16 and BF16 matrices are then kept as its rows too, for ggml's fp16 or bf16
+        rounding of their input."""
         return self.act8
 
     def holds_tiles(self, storage, shape: tuple[int, int]) -> bool:
@@ -446,7 +459,8 @@ class Kernels:
         """x [T, K] @ w^T for w the file's blocks: one row straight from the blocks (native), more
         rows against the weights decoded a block of rows at a time (a bounded temporary). With
         up to `act8_rows` rows, the rows are rounded as llama.cpp rounds them and go through the
-        integer kernels, each row as it would alone."""
+        integer kernels, each row as it would alone (beside F16 and BF16 rows, the input rounded
+        to fp16 or bf16 and multiplied in fp32)."""
         if isinstance(w, RowParts):
             outs, start = [], 0
             for p in w.parts:
@@ -454,6 +468,10 @@ class Kernels:
                 outs.append(self.linear(x, p, None if b is None else b[start:end]))
                 start = end
             return torch.cat(outs, dim=-1)
+        if w.qtype == Q.BF16 and x.dtype == torch.bfloat16:
+            # ggml rounds the input to bf16 beside BF16 weights: a bf16 row is its own rounding, and
+            # the file's rows are the bf16 matrix, multiplied as one dequantized at load was.
+            return self.linear(x, w.raw.view(torch.bfloat16), b)
         T, (N, K) = x.shape[0], w.shape
         if w.tiled:  # only where every product takes the integer kernels (`tiles`)
             y = self.quant.gemm_tiles(w.raw, int(w.qtype), x, True)  # [T, N] in x's dtype

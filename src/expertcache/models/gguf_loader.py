@@ -6,7 +6,8 @@ llama.cpp's converter stores each MoE layer's experts as three tensors [E, rows,
 (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`), or a fused `ffn_gate_up_exps`; one expert is a
 slice of each, so it spans two or three ranges of the file, each in its own storage type. Experts
 stay as the file's blocks in both tiers and are dequantized only by the compute path. Dense
-matrices stay as the file's blocks too where products take 8-bit activations (`GGUFDense.matrix`,
+matrices stay as the file's blocks too (quantized ones, and F16 and BF16 ones as ggml's rows of
+those types) where products take 8-bit activations (`GGUFDense.matrix`,
 `Kernels.multiplies_blocks`) and the converter stored them as they are or with their
 rows reordered; everything else is dequantized at load (exactly, to fp32, then the compute dtype).
 
@@ -366,22 +367,26 @@ class GGUFDense:
         return self.arch.from_gguf(hf_name, t.float().reshape(self.shapes[hf_name]), self.cfg)
 
     def matrix(self, hf_name: str) -> QuantTensor | None:
-        """A quantized matrix as the file's blocks, with the rows in the order `read` gives them;
-        None when it is not quantized or the converter changed it other than by reordering rows.
-        (Each row is its own blocks, so a row order can be undone on the bytes; anything else is
-        undone on the dequantized values by `read`.)"""
-        order = self.row_order(hf_name)
+        """A quantized, F16 or BF16 matrix as the file's rows (ggml's blocks), with the rows in the
+        order `read` gives them; None for F32, or when the converter changed it other than by
+        reordering rows. (Each row is its own blocks, so a row order can be undone on the bytes;
+        anything else is undone on the dequantized values by `read`.) F16 and BF16 stay so because
+        ggml rounds a product's input to fp16 or bf16 before multiplying them: dequantized at load,
+        the products of `--activations q8` took the input as it was (`Kernels.linear_blocks`)."""
+        order = self.row_order(hf_name, halves=True)
         if order is None:
             return None
         name, shape = self.names[hf_name], self.shapes[hf_name]
-        q = QuantTensor(self.gg.read(name).view(shape[0], -1), self.gg.info(name).storage, tuple(shape))
+        q = QuantTensor(self.gg.read(name).view(shape[0], -1), self.gg.info(name).qtype, tuple(shape))
         return q if torch.equal(order, torch.arange(shape[0])) else q.take(order)
 
-    def row_order(self, hf_name: str) -> torch.Tensor | None:
-        """For a quantized matrix the converter stored as it is or with its rows reordered: the
-        file's row behind each row `read` gives; None for anything else. Reads no weight."""
+    def row_order(self, hf_name: str, halves: bool = False) -> torch.Tensor | None:
+        """For a quantized matrix (or, with `halves`, an F16 or BF16 one) the converter stored as it
+        is or with its rows reordered: the file's row behind each row `read` gives; None for
+        anything else. Reads no weight."""
         info, shape = self.gg.info(self.names[hf_name]), self.shapes[hf_name]
-        if not is_quantized(info.storage) or len(shape) != 2 or tuple(info.shape) != tuple(shape):
+        kept = is_quantized(info.storage) or (halves and info.storage in (torch.float16, torch.bfloat16))
+        if not kept or len(shape) != 2 or tuple(info.shape) != tuple(shape):
             return None
         rows = torch.arange(shape[0], dtype=torch.float64)[:, None]  # [N, 1]: what from_gguf does to rows
         moved = self.arch.from_gguf(hf_name, rows, self.cfg)

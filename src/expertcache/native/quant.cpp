@@ -434,6 +434,32 @@ EXPERTCACHE_WALKERS(q5_0)
 EXPERTCACHE_WALKERS(q8_0)
 EXPERTCACHE_WALKERS(q6_k)
 #undef EXPERTCACHE_WALKERS
+
+// F16 and BF16 weights widened in registers (both exactly) into the lanes `Lanes::add` takes them
+// in, rather than decoded weight by weight into a buffer: dense F16 and BF16 matrices are kept as
+// the file's rows where products take llama.cpp's rounding, and a decode step streams them
+// (`rows8_half`). Products only: `dequantize` keeps the plain decoders, which the tests hold to
+// gguf-py's bits.
+template <bool BF>
+inline __m256 half_w8(const uint8_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (BF) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(h);
+#else
+  alignas(32) float f[8];
+  for (int r = 0; r < 8; ++r) f[r] = h2f(p + 2 * r);
+  return _mm256_load_ps(f);
+#endif
+}
+
+template <bool BF>
+void dot_half(const uint8_t* b, const float* x, Lanes& L) {
+  for (int k = 0; k < 32; k += 16) {
+    fma8(L.a, half_w8<BF>(b + 2 * k), x + k);
+    fma8(L.b, half_w8<BF>(b + 2 * k + 16), x + k + 8);
+  }
+}
 #endif
 
 using Decoder = void (*)(const uint8_t*, float*);
@@ -451,15 +477,17 @@ struct Format {
 Format format_of(int64_t type) {
   switch (type) {
     case F32: return {"F32", 32, 128, deq_f32, f2f};
-    case F16: return {"F16", 32, 64, deq_f16, h2f};
-    case BF16: return {"BF16", 32, 64, deq_bf16, bf2f};
 #if defined(EXPERTCACHE_AVX2)
+    case F16: return {"F16", 32, 64, deq_f16, h2f, dot_half<false>};
+    case BF16: return {"BF16", 32, 64, deq_bf16, bf2f, dot_half<true>};
     case Q8_0: return {"Q8_0", 32, 34, deq_q8_0_v, nullptr, dot_q8_0};
     case Q4_K: return {"Q4_K", 256, 144, deq_q4_k_v, nullptr, dot_q4_k};
     case Q6_K: return {"Q6_K", 256, 210, deq_q6_k_v, nullptr, dot_q6_k};
     case Q5_K: return {"Q5_K", 256, 176, deq_q5_k_v, nullptr, dot_q5_k};
     case Q5_0: return {"Q5_0", 32, 22, deq_q5_0_v, nullptr, dot_q5_0};
 #else
+    case F16: return {"F16", 32, 64, deq_f16, h2f};
+    case BF16: return {"BF16", 32, 64, deq_bf16, bf2f};
     case Q8_0: return {"Q8_0", 32, 34, deq_q8_0};
     case Q4_K: return {"Q4_K", 256, 144, deq_q4_k};
     case Q6_K: return {"Q6_K", 256, 210, deq_q6_k};
@@ -477,6 +505,20 @@ Format format_of(int64_t type) {
   }
 }
 
+// The products of a float type's row past its last whole group of 32 (decoded weight by weight)
+// added into `acc`.
+void add_partial(const Format& fmt, const uint8_t* row, const float* x, int64_t K, Lanes& acc) {
+  const int64_t full = K / fmt.block, left = K - full * fmt.block;
+  if (!left) return;
+  alignas(32) float buf[32];
+  const int width = fmt.bytes / fmt.block;
+  const uint8_t* p = row + full * fmt.bytes;
+  for (int64_t k = 0; k < left; ++k) buf[k] = fmt.one(p + k * width);
+  int64_t k = 0;
+  for (; k + 16 <= left; k += 16) acc.add(buf + k, x + full * fmt.block + k, 16);
+  if (k < left) acc.add_tail(buf + k, x + full * fmt.block + k, left - k);
+}
+
 // sum_k W[row, k] x[k] for one row of `fmt` blocks; K a whole number of blocks except for the
 // float types, whose last partial group is decoded weight by weight.
 float row_dot(const Format& fmt, const uint8_t* row, const float* x, int64_t K, bool fused = true) {
@@ -491,15 +533,7 @@ float row_dot(const Format& fmt, const uint8_t* row, const float* x, int64_t K, 
       acc.add(buf, x + i * fmt.block, fmt.block);
     }
   }
-  const int64_t left = K - full * fmt.block;  // float types only
-  if (left) {
-    const int width = fmt.bytes / fmt.block;
-    const uint8_t* p = row + full * fmt.bytes;
-    for (int64_t k = 0; k < left; ++k) buf[k] = fmt.one(p + k * width);
-    int64_t k = 0;
-    for (; k + 16 <= left; k += 16) acc.add(buf + k, x + full * fmt.block + k, 16);
-    if (k < left) acc.add_tail(buf + k, x + full * fmt.block + k, left - k);
-  }
+  add_partial(fmt, row, x, K, acc);
   return acc.sum();
 }
 
@@ -507,31 +541,36 @@ float row_dot(const Format& fmt, const uint8_t* row, const float* x, int64_t K, 
 //
 // ggml's CPU products round the activation row to the weight type's partner format first (its
 // `vec_dot_type`) and then take integer dot products per block: Q8_0 blocks (32 values, one fp16
-// scale) beside Q4_0, Q5_0, Q8_0, IQ4_NL (and Q8_1, the same values, beside Q4_1 and Q5_1);
-// Q8_K blocks (256 values, one fp32 scale, sums of 16) beside the K-quants and IQ4_XS; the row
-// rounded to fp16 or bf16 beside F16 and BF16 weights; nothing beside F32. Here a row is
-// rounded the same way (`Act`), and each block's product is an exact integer sum times the two
-// scales, so the result is the product of the rounded row and the exactly decoded weights, up to
-// the order of the float additions. The integer sums are exact in any order, and the float steps
-// are the same in the vector and the plain build: the two builds give the same bits. Types
-// without an integer kernel multiply their decoded weights by the rounded row (`xt`) in fp32.
+// scale) beside Q4_0, Q5_0, Q8_0, IQ4_NL; Q8_1 blocks (the same values and scale, and s, the
+// block's sum d * sum(q) stored in fp16) beside Q4_1 and Q5_1; Q8_K blocks (256 values, one fp32
+// scale, sums of 16) beside the K-quants and IQ4_XS; the row rounded to fp16 or bf16 beside F16
+// and BF16 weights; nothing beside F32. Here a row is rounded the same way (`Act`), and each
+// block's product is an exact integer sum times the two scales, so the result is the product of
+// the rounded row and the exactly decoded weights, up to the order of the float additions; but
+// for Q4_1 and Q5_1, whose minimum m multiplies the fp16 s as ggml's does (d_w d_a sum(q_w q_a)
+// + m s; the row's own sum differs by s's rounding, 3e-5 of a product seen). The integer sums are
+// exact in any order, and the float steps are the same in the vector and the plain build: the
+// two builds give the same bits. Types without an integer kernel multiply their decoded weights
+// by the rounded row (`xt`) in fp32.
 
-enum ActKind { A_F32, A_F16, A_BF16, A_Q8_0, A_Q8_K };
+enum ActKind { A_F32, A_F16, A_BF16, A_Q8_0, A_Q8_1, A_Q8_K };
 
 ActKind act_kind(int64_t type) {
   switch (type) {
     case F32: return A_F32;
     case F16: return A_F16;
     case BF16: return A_BF16;
-    case Q8_0: case Q4_0: case Q4_1: case Q5_0: case Q5_1: case IQ4_NL: return A_Q8_0;
+    case Q8_0: case Q4_0: case Q5_0: case IQ4_NL: return A_Q8_0;
+    case Q4_1: case Q5_1: return A_Q8_1;
     default: return A_Q8_K;
   }
 }
 
 struct Act {
   ActKind kind = A_F32;
-  std::vector<int8_t> q;       // the rounded row's integers (Q8_0, Q8_K)
-  std::vector<float> d;        // one scale per block of 32 (Q8_0) or 256 (Q8_K)
+  std::vector<int8_t> q;       // the rounded row's integers (Q8_0, Q8_1, Q8_K)
+  std::vector<float> d;        // one scale per block of 32 (Q8_0, Q8_1) or 256 (Q8_K)
+  std::vector<float> s;        // Q8_1: fp16(d * sum(q)) of each block, d the scale before its fp16 rounding
   std::vector<int32_t> bsum;   // Q8_K: the sum of each 16 integers
   std::vector<int32_t> bsum32; // Q8_K: the sum of each 32
   std::vector<float> xt;       // the rounded row as floats: d * q, or x rounded to fp16/bf16
@@ -540,8 +579,9 @@ struct Act {
 inline float round_f16(float v) { return static_cast<float>(c10::Half(v)); }
 inline float round_bf16(float v) { return static_cast<float>(at::BFloat16(v)); }
 
-// x [K] rounded as ggml rounds it for a product with weights of `type`. Q8_0 as ggml's x86
-// quantizer does (scale max|x| / 127 stored as fp16; x * 127 / max|x| rounded to nearest even);
+// x [K] rounded as ggml rounds it for a product with weights of `type`. Q8_0 and Q8_1 as ggml's x86
+// quantizers do (scale max|x| / 127 stored as fp16; x * 127 / max|x| rounded to nearest even;
+// Q8_1's s from the fp32 scale);
 // Q8_K as ggml's reference (the value of largest magnitude maps to -127, ties to even, at most 127).
 // The rounded row as floats (`xt`) is formed only where asked for (types without an integer kernel).
 void quantize_act(const float* x, int64_t K, int64_t type, Act& a, bool floats) {
@@ -552,11 +592,12 @@ void quantize_act(const float* x, int64_t K, int64_t type, Act& a, bool floats) 
       a.xt[k] = a.kind == A_F32 ? x[k] : a.kind == A_F16 ? round_f16(x[k]) : round_bf16(x[k]);
     return;
   }
-  const int block = a.kind == A_Q8_0 ? 32 : 256;
-  TORCH_CHECK(K % block == 0, "x: a row of ", K, " values is not a whole number of ", a.kind == A_Q8_0 ? "Q8_0" : "Q8_K",
-              " blocks of ", block);
+  const int block = a.kind == A_Q8_K ? 256 : 32;
+  TORCH_CHECK(K % block == 0, "x: a row of ", K, " values is not a whole number of ",
+              a.kind == A_Q8_0 ? "Q8_0" : a.kind == A_Q8_1 ? "Q8_1" : "Q8_K", " blocks of ", block);
   a.q.resize(K);
   a.d.resize(K / block);
+  if (a.kind == A_Q8_1) a.s.resize(K / block);
   if (a.kind == A_Q8_K) {
     a.bsum.resize(K / 16);
     a.bsum32.resize(K / 32);
@@ -578,13 +619,19 @@ void quantize_act(const float* x, int64_t K, int64_t type, Act& a, bool floats) 
       // float product of the row is, and no non-finite value is converted to an integer.
       std::memset(qb, 0, block);
       a.d[b] = std::numeric_limits<float>::quiet_NaN();
-    } else if (a.kind == A_Q8_0) {
+      if (a.kind == A_Q8_1) a.s[b] = a.d[b];
+    } else if (a.kind != A_Q8_K) {
       // 127 / amax overflows only for a block of values below 127 / FLT_MAX, whose fp16 scale is
       // 0: its integers are then 0 rather than infinities converted to integers.
       const float dh = round_f16(amax / 127.f), inv = amax != 0.f ? 127.f / amax : 0.f;
       const float id = std::isinf(inv) ? 0.f : inv;
-      for (int i = 0; i < block; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));
+      int32_t sum = 0;
+      for (int i = 0; i < block; ++i) {
+        qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));
+        sum += qb[i];
+      }
       a.d[b] = dh;
+      if (a.kind == A_Q8_1) a.s[b] = round_f16(amax / 127.f * static_cast<float>(sum));
     } else if (amax == 0.f || std::isinf(-127.f / mx)) {  // all zeros, or too small for a scale: zeros
       std::memset(qb, 0, block);
       a.d[b] = 0.f;
@@ -653,6 +700,19 @@ __m256i ints_q5_0(const uint8_t* b) {
   const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel);
   return _mm256_or_si256(nibbles32(b + 6), _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xf0))));
 }
+// Q4_1's and Q5_1's weights without their minimum: 0-15 (nibbles after d and m), 0-31 (the
+// fifth bit, 16, OR-ed on where it is set).
+__m256i ints_q4_1(const uint8_t* b) { return nibbles32(b + 4); }
+__m256i ints_q5_1(const uint8_t* b) {
+  uint32_t bits;
+  std::memcpy(&bits, b + 4, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel);
+  return _mm256_or_si256(nibbles32(b + 8), _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
 __m256i ints_iq4_nl(const uint8_t* b) {
   const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4));
   const __m256i n = nibbles32(b + 2);
@@ -675,6 +735,19 @@ void ints_q5_0(const uint8_t* b, int8_t* w) {
     w[l + 16] = static_cast<int8_t>(((b[6 + l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - 16);
   }
 }
+void ints_q4_1(const uint8_t* b, int8_t* w) {
+  for (int l = 0; l < 16; ++l) {
+    w[l] = static_cast<int8_t>(b[4 + l] & 15);
+    w[l + 16] = static_cast<int8_t>(b[4 + l] >> 4);
+  }
+}
+void ints_q5_1(const uint8_t* b, int8_t* w) {
+  const uint32_t qh = u32(b + 4);
+  for (int l = 0; l < 16; ++l) {
+    w[l] = static_cast<int8_t>((b[8 + l] & 15) | (((qh >> l) & 1) << 4));
+    w[l + 16] = static_cast<int8_t>((b[8 + l] >> 4) | (((qh >> (l + 16)) & 1) << 4));
+  }
+}
 void ints_iq4_nl(const uint8_t* b, int8_t* w) {
   for (int l = 0; l < 16; ++l) {
     w[l] = kIQ4[b[2 + l] & 15];
@@ -684,13 +757,19 @@ void ints_iq4_nl(const uint8_t* b, int8_t* w) {
 #endif
 
 // Up to four rows against one row of a 32-weight type: each block decoded once, each row's sums
-// and float steps those of the row alone.
-template <Ints32 INTS, int BYTES, int R>
+// and float steps those of the row alone. MIN: the type has a minimum m (fp16, after d) whose
+// products m * s (the activations' Q8_1 sums) are summed apart and added last, as ggml does.
+template <Ints32 INTS, int BYTES, int R, bool MIN = false>
 void rows_32(const uint8_t* row, const Act* const* a, int64_t K, float* out) {
   Acc1 acc[R];
+  float mins[R] = {};
   for (int64_t i = 0, nb = K / 32; i < nb; ++i) {
     const uint8_t* b = row + i * BYTES;
     const float d = h2f(b);
+    if (MIN) {
+      const float m = h2f(b + 2);
+      for (int t = 0; t < R; ++t) mins[t] += m * a[t]->s[i];
+    }
 #if defined(EXPERTCACHE_AVX2)
     const __m256i w = INTS(b);
     __m256i v[8];
@@ -711,14 +790,14 @@ void rows_32(const uint8_t* row, const Act* const* a, int64_t K, float* out) {
     }
 #endif
   }
-  for (int t = 0; t < R; ++t) out[t] = acc[t].sum();
+  for (int t = 0; t < R; ++t) out[t] = MIN ? acc[t].sum() + mins[t] : acc[t].sum();
 }
 
-template <Ints32 INTS, int BYTES>
+template <Ints32 INTS, int BYTES, bool MIN = false>
 float row_dot_32(const uint8_t* row, const Act& a, int64_t K) {
   const Act* p = &a;
   float y;
-  rows_32<INTS, BYTES, 1>(row, &p, K, &y);
+  rows_32<INTS, BYTES, 1, MIN>(row, &p, K, &y);
   return y;
 }
 
@@ -985,6 +1064,62 @@ void rows8_32(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float
     }
   }
   _mm256_storeu_ps(out, acc);
+}
+
+// F16 and BF16 rows against rows rounded to fp16 or bf16 (`Act::xt`), each row's lanes and steps
+// those of `row_dot` alone: fused multiply-adds on one accumulator pair depend on each other, and
+// one row at a time waits on them; several rows at once do not (a decode product of an F16
+// [8192, 2048] 2.4x as fast, at the bf16 kernel's speed where the weights come from memory). Up to four activation rows against one weight row (`RowsOf`),
+// or eight weight rows, four at a time, against one activation row (`ActDot8`).
+template <bool BF, int R>
+void rows_half(const uint8_t* row, const Act* const* a, int64_t K, float* out) {
+  __m256 lo[R], hi[R];
+  const float* x[R];
+  for (int t = 0; t < R; ++t) {
+    lo[t] = hi[t] = _mm256_setzero_ps();
+    x[t] = a[t]->xt.data();
+  }
+  for (int64_t k = 0, full = K / 32 * 32; k < full; k += 16) {
+    const __m256 w0 = half_w8<BF>(row + 2 * k), w1 = half_w8<BF>(row + 2 * k + 16);
+    for (int t = 0; t < R; ++t) {
+      lo[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[t] + k), lo[t]);
+      hi[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[t] + k + 8), hi[t]);
+    }
+  }
+  const Format fmt = {"", 32, 64, nullptr, BF ? bf2f : h2f};
+  for (int t = 0; t < R; ++t) {
+    Lanes acc;
+    acc.a = lo[t];
+    acc.b = hi[t];
+    add_partial(fmt, row, x[t], K, acc);
+    out[t] = acc.sum();
+  }
+}
+
+template <bool BF>
+void rows8_half(const uint8_t* row, int64_t stride, const Act& a, int64_t K, float* out) {
+  const Format fmt = {"", 32, 64, nullptr, BF ? bf2f : h2f};
+  const float* x = a.xt.data();
+  for (int h = 0; h < 8; h += 4) {
+    __m256 lo[4], hi[4];
+    for (int r = 0; r < 4; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    const uint8_t* w = row + h * stride;
+    for (int64_t k = 0, full = K / 32 * 32; k < full; k += 16) {
+      const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+      for (int r = 0; r < 4; ++r) {
+        if (k % 32 == 0) ask_for(w + r * stride + 16 * stride + 2 * k, 64);
+        lo[r] = _mm256_fmadd_ps(half_w8<BF>(w + r * stride + 2 * k), x0, lo[r]);
+        hi[r] = _mm256_fmadd_ps(half_w8<BF>(w + r * stride + 2 * k + 16), x1, hi[r]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      Lanes acc;
+      acc.a = lo[r];
+      acc.b = hi[r];
+      add_partial(fmt, w + r * stride, x, K, acc);
+      out[h + r] = acc.sum();
+    }
+  }
 }
 
 #endif
@@ -1319,9 +1454,16 @@ template <int R> struct Q4K { static void call(const uint8_t* w, const Act* cons
 template <int R> struct Q5K { static void call(const uint8_t* w, const Act* const* a, int64_t K, float* o) { rows_q45_k<true, R>(w, a, K, o); } };
 template <int R> struct Q6K { static void call(const uint8_t* w, const Act* const* a, int64_t K, float* o) { rows_q6_k<R>(w, a, K, o); } };
 
-template <Ints32 INTS, int BYTES>
+#if defined(EXPERTCACHE_AVX2)
+template <bool BF>
+struct RowsHalf {
+  template <int R> struct F { static void call(const uint8_t* w, const Act* const* a, int64_t K, float* o) { rows_half<BF, R>(w, a, K, o); } };
+};
+#endif
+
+template <Ints32 INTS, int BYTES, bool MIN = false>
 struct Rows32 {
-  template <int R> struct F { static void call(const uint8_t* w, const Act* const* a, int64_t K, float* o) { rows_32<INTS, BYTES, R>(w, a, K, o); } };
+  template <int R> struct F { static void call(const uint8_t* w, const Act* const* a, int64_t K, float* o) { rows_32<INTS, BYTES, R, MIN>(w, a, K, o); } };
 };
 
 RowsOf rows_of(int64_t type) {
@@ -1333,6 +1475,12 @@ RowsOf rows_of(int64_t type) {
     case Q4_0: return rows_table<Rows32<ints_q4_0, 18>::F>();
     case Q5_0: return rows_table<Rows32<ints_q5_0, 22>::F>();
     case IQ4_NL: return rows_table<Rows32<ints_iq4_nl, 18>::F>();
+    case Q4_1: return rows_table<Rows32<ints_q4_1, 20, true>::F>();
+    case Q5_1: return rows_table<Rows32<ints_q5_1, 24, true>::F>();
+#if defined(EXPERTCACHE_AVX2)
+    case F16: return rows_table<RowsHalf<false>::F>();
+    case BF16: return rows_table<RowsHalf<true>::F>();
+#endif
     default: return {};
   }
 }
@@ -1360,6 +1508,8 @@ RowDot32 row_dot_32_of(int64_t type) {
     case Q4_0: return row_dot_32<ints_q4_0, 18>;
     case Q5_0: return row_dot_32<ints_q5_0, 22>;
     case IQ4_NL: return row_dot_32<ints_iq4_nl, 18>;
+    case Q4_1: return row_dot_32<ints_q4_1, 20, true>;
+    case Q5_1: return row_dot_32<ints_q5_1, 24, true>;
     default: return nullptr;
   }
 }
@@ -1432,6 +1582,8 @@ ActDot8 act_dot8_of(int64_t type) {
   if (type == Q4_0) return rows8_32<ints_q4_0, 18>;
   if (type == Q5_0) return rows8_32<ints_q5_0, 22>;
   if (type == IQ4_NL) return rows8_32<ints_iq4_nl, 18>;
+  if (type == F16) return rows8_half<false>;
+  if (type == BF16) return rows8_half<true>;
 #endif
   (void)type;
   return nullptr;
