@@ -5,7 +5,7 @@ and perplexity at n_ctx 256 and 512, through the library and through `expertcach
 
 The recordings (NAME.json beside each fixture) hold llama.cpp's numbers on a 30-token prompt and
 at n_ctx 128 only. llama.cpp's numbers on the longer inputs are in
-tests/fixtures/gguf/llamacpp_long.json, written by this file run as a script where
+tests/fixtures/llamacpp/long_prompts.json, written by this file run as a script where
 llama-cpp-python is installed (the same llama.cpp settings as the recordings:
 tools/llamacpp_ref.py, one thread, F32 K/V cache, flash attention off):
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "gguf"
-RECORDING = FIXTURES / "llamacpp_long.json"
+RECORDING = ROOT / "tests" / "fixtures" / "llamacpp" / "long_prompts.json"
 TEXT = ("src/expertcache/assets/heldout.txt", 2000, 14000)
 N_TOKENS, LONG, EVERY, TOP = 2048, 600, 3, 4
 GREEDY_PROMPT, GREEDY_STEPS = (600, 900), 32

@@ -279,7 +279,7 @@ def test_to_gguf_never_writes_over_its_source_and_bad_paths_are_one_line(tmp_pat
     source = Path(shutil.copytree(expertcache.engine.default_model_path(), tmp_path / "model"))
     tool = Path(__file__).resolve().parents[1] / "tools" / "to_gguf.py"
     before = _tree(source)
-    for out, words in ((source / "model.safetensors", "is not a GGUF file"),
+    for out, words in ((source / "model.safetensors", "is not to_gguf's output"),
                        (tmp_path / "nope" / "x.gguf", "no directory"), (tmp_path, "is a directory")):
         r = subprocess.run([sys.executable, str(tool), "-m", str(source), "-o", str(out)],
                            capture_output=True, text=True)
