@@ -12,6 +12,7 @@ import torch
 import expertcache
 from expertcache import CacheConfig, memory
 from expertcache.memory import HUGE_PAGE, PAGE, host_zeros
+from test_memory import vm_flags
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/pagemap (Linux)")
 
@@ -38,19 +39,6 @@ def assert_tail_not_huge(t: torch.Tensor) -> None:
     tail = t.data_ptr() + t.nbytes // HUGE_PAGE * HUGE_PAGE
     flags = vm_flags(tail)
     assert "hg" not in flags and "nh" in flags, flags
-
-
-def vm_flags(address: int) -> set[str]:
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return set(line.split()[1:])
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 @pytest.mark.parametrize("nbytes", [HUGE_PAGE + 1, 3 * HUGE_PAGE // 2 + 12345, 5 * HUGE_PAGE - PAGE, 3 * HUGE_PAGE])

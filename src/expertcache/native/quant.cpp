@@ -688,30 +688,26 @@ inline __m256i nibbles32(const uint8_t* q) {  // 16 bytes -> low nibbles (weight
 }
 __m256i ints_q8_0(const uint8_t* b) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)); }
 __m256i ints_q4_0(const uint8_t* b) { return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); }
-// Q5_0's fifth bits: byte i is 0 where bit i of the block's 32 is set, else 0xf0, so that OR-ing
-// it onto nibble i gives the weight (nibble + 16 * bit - 16) as a signed byte in one step.
-__m256i ints_q5_0(const uint8_t* b) {
+// The 32 fifth bits of a Q5 block at p: byte i is 0xff where bit i is set, else 0.
+__m256i fifth_bits(const uint8_t* p) {
   uint32_t bits;
-  std::memcpy(&bits, b + 2, 4);
+  std::memcpy(&bits, p, 4);
   const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
                                              _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
   const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel);
-  return _mm256_or_si256(nibbles32(b + 6), _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xf0))));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel);
+}
+// Q5_0: 0 where the fifth bit is set, else 0xf0, OR-ed onto the nibble gives the weight
+// (nibble + 16 * bit - 16) as a signed byte in one step.
+__m256i ints_q5_0(const uint8_t* b) {
+  return _mm256_or_si256(nibbles32(b + 6), _mm256_andnot_si256(fifth_bits(b + 2), _mm256_set1_epi8(static_cast<char>(0xf0))));
 }
 // Q4_1's and Q5_1's weights without their minimum: 0-15 (nibbles after d and m), 0-31 (the
 // fifth bit, 16, OR-ed on where it is set).
 __m256i ints_q4_1(const uint8_t* b) { return nibbles32(b + 4); }
 __m256i ints_q5_1(const uint8_t* b) {
-  uint32_t bits;
-  std::memcpy(&bits, b + 4, 4);
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
-                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel);
-  return _mm256_or_si256(nibbles32(b + 8), _mm256_and_si256(set, _mm256_set1_epi8(16)));
+  return _mm256_or_si256(nibbles32(b + 8), _mm256_and_si256(fifth_bits(b + 4), _mm256_set1_epi8(16)));
 }
 __m256i ints_iq4_nl(const uint8_t* b) {
   const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4));
