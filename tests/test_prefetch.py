@@ -708,6 +708,33 @@ def test_resize_and_reload_keep_prefetch_on_the_new_weights(models, reference, t
     assert model.telemetry()["total"]["prefetch_used"] > 0
 
 
+def test_a_dropped_model_and_a_replaced_decoder_go_without_the_cycle_collector(models, tmp_path):
+    # Prefetch hooks tie the decoder and the cache to each other: a dropped model (or the decoder a
+    # reload replaced, with its weights) waited for gc, the slot pool (VRAM on a GPU) with it.
+    import gc
+    import shutil
+    import weakref
+
+    path = shutil.copytree(models["qwen2"], tmp_path / "m")
+    gc.collect()
+    gc.disable()
+    try:
+        model = _load(path, experts=10, store="disk", prefetch="on")
+        model.generate(PROMPT, max_tokens=2, ignore_eos=True)
+        old = weakref.ref(model.net)
+        for f in path.glob("*.safetensors"):  # rewritten under a new version: the next call reloads
+            data = f.read_bytes()
+            f.unlink()
+            f.write_bytes(data)
+        model.generate(PROMPT, max_tokens=2, ignore_eos=True)
+        assert old() is None
+        cache, net = weakref.ref(model.experts), weakref.ref(model.net)
+        del model
+        assert cache() is None and net() is None
+    finally:
+        gc.enable()
+
+
 def test_verify_mode_checks_prefetched_slots(models, reference):
     model = _load(models["bundled"], experts=40, store="disk", prefetch="on", prefetch_width=1.5, verify=True)
     _check(model, reference["bundled"])

@@ -12,6 +12,7 @@ import operator
 import os
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +165,11 @@ class Model:
         # Fitted maps that predict in place of the routers (`CacheConfig.predictor`), checked
         # against this model's routers now; None: the routers predict.
         self.predictor_maps = self._load_maps(options.cache.predictor)
+        # Prefetch hooks make the decoder and the cache refer to each other (`_wire_prefetch`):
+        # dropped, the model would leave them, the slot pool with them (VRAM on a GPU, where
+        # prefetch is on by default), to the cycle collector. They are unhooked when it goes.
+        self._hooked: dict = {}
+        weakref.finalize(self, _unhook_prefetch, self._hooked)
 
     @property
     def kernels(self) -> Kernels:
@@ -207,6 +213,7 @@ class Model:
                                             maps, config.prefetch_min_prob)
             predictions.attach(residual=residual)
             self.experts.predict = predictions
+        self._hooked.update(net=self.net, experts=self.experts)
 
     def _load_maps(self, path):
         if path is None:
@@ -247,6 +254,7 @@ class Model:
         if isinstance(ours, NextOpPredictions):  # the predictor reads the new weights' routers
             own = old.residual_hook is ours.own
             self._wire_prefetch(residual=own)
+        _unhook_prefetch({"net": old})  # its hooks, now the new decoder's, would keep it (and its weights)
         self.version += 1
         # Other weights may take more per token (a wider model, more experts per token): the
         # stretch planned for the old ones would run over --prefill-mem.
@@ -589,6 +597,15 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     model.eos_ids |= _generation_eos(path, cfg.vocab_size)
     model._wire_prefetch()
     return model
+
+
+def _unhook_prefetch(hooked: dict) -> None:
+    """A dropped model's prefetch hooks let go of the decoder and the cache they tie together."""
+    net, experts = hooked.pop("net", None), hooked.pop("experts", None)
+    if net is not None:
+        net.residual_hook = net.forward_hook = None
+    if experts is not None:
+        experts.predict = None
 
 
 def _tokenizer(path: Path) -> Tokenizer | None:
