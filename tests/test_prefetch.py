@@ -160,27 +160,37 @@ def test_slowed_worker_changes_nothing(models, reference):
     slots_hold_what_they_claim(model.experts)
 
 
-def test_bytes_read_are_the_copied_bytes_less_the_prefetches_dropped_before_their_copy(models, reference):
+def test_bytes_read_are_the_copied_bytes_less_the_prefetches_dropped_before_their_copy(models, reference,
+                                                                                       monkeypatch):
     # A planned prefetch counts in copied_bytes (as the simulator counts it); one whose expert loses
-    # its slot before the slowed worker starts its copy is never read, and says so.
-    model = _load(models["qwen2"], experts=6, store="disk", prefetch="on", prefetch_width=2.0)
-    store, read = model.experts.store, []
-    plain_read = store._read
+    # its slot before its copy starts is never copied, and says so. The op's thread makes its own
+    # copies and the worker starts no job, so which prefetches are taken over and which dropped is
+    # the planning's alone.
+    from expertcache.tiers import cache as cache_module
 
-    def counting_read(seg, targets):
-        read.append(sum(t.nbytes for t in targets))
-        return plain_read(seg, targets)
+    monkeypatch.setattr(cache_module, "_core_to_spare", lambda: False)
+    model = _load(models["qwen2"], experts=6, store="ram", prefetch="on", prefetch_width=2.0)
+    cache = model.experts
+    worker = cache._start_worker()
+    with worker._cond:
+        worker._demand += 1  # as if a demand copy never ended: the worker waits
+    copied, plain_copy = [], cache.store.copy_run
 
-    def slow(_n):
-        if threading.current_thread().name == WORKER:
-            time.sleep(0.005)
+    def counting_copy(layer, first, dst, non_blocking=False):
+        copied.append(dst.shape[0] * cache.expert_bytes[layer])
+        return plain_copy(layer, first, dst, non_blocking)
 
-    store._read, store.read_hook = counting_read, slow
-    _check(model, reference["qwen2"])
-    model.experts.quiesce()
+    monkeypatch.setattr(cache.store, "copy_run", counting_copy)
+    try:
+        _check(model, reference["qwen2"])
+    finally:
+        with worker._cond:
+            worker._demand -= 1
+            worker._cond.notify_all()
+    cache.quiesce()
     t = model.telemetry()
     assert t["prefetch_dropped_bytes"] > 0
-    assert sum(read) == t["total"]["copied_bytes"] - t["prefetch_dropped_bytes"]
+    assert sum(copied) == t["total"]["copied_bytes"] - t["prefetch_dropped_bytes"]
 
 
 @pytest.mark.parametrize("name", ["bundled", "qwen2"])
