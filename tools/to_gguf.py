@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from expertcache.checkpoint.writer import atomic_gguf, check_output_file  # noqa: E402
 from expertcache.errors import ExpertCacheError  # noqa: E402
 from expertcache.models.loader import open_model  # noqa: E402
-from expertcache.models.synth_gguf import MARKER_KEY  # noqa: E402
+from expertcache.models.synth_gguf import MARKER_KEY, _is_ours  # noqa: E402
 
 # A BPE vocabulary needs tokenizer.ggml.merges in llama.cpp (and gguf refuses an empty array): for
 # a tokenizer without merges, one that can never apply. Text starts as single characters and only
@@ -60,15 +60,6 @@ def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, object]:
     if t.dtype == torch.float16:
         return t.contiguous().numpy(), gguf.GGMLQuantizationType.F16
     return t.float().contiguous().numpy(), gguf.GGMLQuantizationType.F32
-
-
-def _is_ours(path: Path) -> bool:
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path).fields.get(MARKER_KEY) is not None
-    except Exception:  # not a GGUF at all: certainly not ours
-        return False
 
 
 def _add_rope_scaling(w, rope, model_dir: Path) -> None:
