@@ -138,6 +138,19 @@ def test_replaced_checkpoint_gives_new_logits(checkpoints, tmp_path, store):
     assert model.telemetry()["invalidations"]["source"] == resident
 
 
+def test_clear_forgets_invalidations(checkpoints, tmp_path):
+    """After `clear()` every op misses anyway: an invalidation before it is not `pre_invalid_hit`."""
+    d = shutil.copytree(checkpoints["packed"], tmp_path / "m")
+    model = expertcache.load(d, cache=CacheConfig(mode="cache", fraction=0.5, store="disk"))
+    model.logits(IDS)
+    _scale_experts(d, 1.5)
+    model.begin_call()  # finds the change: every resident slot invalidated
+    assert model.telemetry()["pre_invalid_loaded"] > 0
+    model.experts.clear()
+    model.logits(IDS)
+    assert model.telemetry()["pre_invalid_hit"] == 0
+
+
 def test_resize_while_loaded(checkpoints, reference_logits):
     model = expertcache.load(checkpoints["plain"], cache=CacheConfig(mode="cache", experts=TOTAL // 2))
     model.logits(IDS)

@@ -204,6 +204,8 @@ class ExpertCache:
             return
         self.quiesce()  # every copy ends first: none writes a slot after it is emptied
         self._empty()
+        # An op after a clear misses its experts whether or not an invalidation dropped them.
+        self._pending_invalid.clear()
 
     # ---- one op ----
     def acquire(self, layer: int, experts: Sequence[int], meanwhile: Callable[[], None] | None = None
