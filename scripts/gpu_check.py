@@ -6,7 +6,8 @@
 1. On a small random checkpoint (fp32 and bf16, unpacked and packed), logits must be bitwise
    equal to the resident mode's in staging and cache modes at every size, policy and store, and
    greedy generations identical; overwriting a slot must change the logits (compute reads slots);
-   verify mode must catch a corrupted slot.
+   verify mode must catch a corrupted slot. The pinned RAM tier (checked on Qwen3-30B-A3B's
+   shapes) takes its own bytes, not a power of two above them, and frees them with its model.
 2. Quantized experts: every tensor of the GGUF fixtures (tests/fixtures/gguf, all 15 storage
    types) dequantized on the GPU must equal the CPU's dequantization bitwise, and a GGUF model's
    logits must be bitwise equal across cache modes on the GPU, with experts as the file's blocks.
@@ -107,6 +108,31 @@ def exactness(device: str, root: Path) -> list[tuple[str, bool, str]]:
         model.experts.config = dataclasses.replace(model.experts.config, verify=False)
         rows.append((f"compute reads the slots, {dtype}", not torch.equal(model.logits(ids), before), ""))
     return rows
+
+
+def pinned_tier(device: str, root: Path) -> tuple[str, bool, str]:
+    """The pinned RAM tier of Qwen3-30B-A3B's shapes (1152 MiB a layer) takes its own bytes, not
+    torch's power of two above them (2048 MiB), and gives them back when its model is dropped
+    (memory.EXACT_PINNED). Pinned blocks of 1 MiB or less keep torch's rounding and caching."""
+    import gc
+
+    def pinned() -> int:  # the host allocator's blocks, in use and cached
+        return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+
+    before = pinned()
+    model = expertcache.load(_qwen3_30b_shapes(root), device=device,
+                             cache=CacheConfig(mode="cache", fraction=0.25, store="ram"), ctx_size=256)
+    model.generate([1, 2, 3], max_tokens=4, ignore_eos=True)  # copies from the tier, on the copy stream
+    want = sum(r.nbytes for r in model.experts.store.rows.values())
+    got = pinned() - before
+    del model
+    gc.collect()
+    torch.cuda.synchronize()
+    probe = torch.empty(1, pin_memory=True)  # an allocation: the allocator frees what waited on events
+    left = pinned() - before - probe.nbytes
+    ok = want <= got < want + (1 << 20) and left < (1 << 20)
+    return (f"pinned RAM tier: {got / 2**20:.0f} MiB for {want / 2**20:.0f}, {left / 2**20:.1f} MiB left once dropped",
+            ok, f"pinned {got}, rows {want}, left {left}")
 
 
 def prefetch_checks(device: str, root: Path) -> list[tuple[str, bool, str]]:
@@ -466,6 +492,8 @@ def main() -> int:
             rows = architectures(args.device, Path(tmp))
         else:
             rows = exactness(args.device, Path(tmp)) + quantized(args.device) + prefetch_checks(args.device, Path(tmp))
+            if args.device.startswith("cuda"):
+                rows.append(pinned_tier(args.device, Path(tmp)))
             rows += architectures(args.device, Path(tmp))
         print(f"\n{'check':<64} result  ({time.perf_counter() - t0:.0f} s)")
         for what, ok, detail in rows:

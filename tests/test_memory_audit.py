@@ -3,7 +3,9 @@ pages within `--cache-mem` (docs/cache.md, "Memory": "the budget is the pool, no
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
 import sys
 
 import pytest
@@ -115,3 +117,29 @@ def test_a_reload_to_wider_weights_cuts_the_stretch_to_prefill_mem_again(tmp_pat
     fresh = expertcache.load(wide, prefill_mem=budget, prefill_stretch=4096, ctx_size=256)
     assert fresh.stretch == want_stretch
     assert got.token_ids == fresh.generate(ids, max_tokens=1, ignore_eos=True).token_ids
+
+
+PINNED_PROBE = """
+import torch
+from expertcache.memory import host_zeros
+calls = []
+torch.zeros = lambda *a, **k: calls.append(k) or torch.empty(0)  # no CUDA here to pin with
+host_zeros((1024,), torch.uint8, pin=True)
+assert calls and calls[0]["pin_memory"] is True
+print(torch._C._accelerator_getAllocatorSettings())
+"""
+
+
+@pytest.mark.parametrize("env, expect", [
+    ("", memory.EXACT_PINNED),
+    ("max_split_size_mb:64", "max_split_size_mb:64," + memory.EXACT_PINNED),  # the user's setting kept
+    ("pinned_max_cached_size_mb:8", "pinned_max_cached_size_mb:8"),  # the user's choice stands
+])
+def test_pinned_ram_tier_is_not_rounded_to_a_power_of_two(env, expect):
+    """A pinned RAM tier (a GPU's slow tier) asks torch's host allocator, whose header
+    (ATen/core/CachingHostAllocator.h) rounds a block up to a power of two below
+    `pinned_max_round_threshold` and caches it freed below `pinned_max_cached_size`: both are set
+    before the first pinned block, over the settings the process already had."""
+    out = subprocess.run([sys.executable, "-c", PINNED_PROBE], capture_output=True, text=True,
+                         env={**os.environ, "PYTORCH_ALLOC_CONF": env}, check=True).stdout
+    assert out.strip() == expect
