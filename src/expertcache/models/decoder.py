@@ -207,7 +207,9 @@ class Decoder:
         h = norm(h, w.norm, eps)
         logits = k.linear(h, w.lm_head)  # [T, V]
         if w.logit_softcap is not None:
-            logits = torch.tanh(logits / w.logit_softcap) * w.logit_softcap
+            # In place, the same arithmetic: all logits of a stretch [T, V] took three times
+            # their size at once (docs/prefill.md, "All logits").
+            logits = logits.div_(w.logit_softcap).tanh_().mul_(w.logit_softcap)
         lap("lm_head")
         return logits
 

@@ -99,19 +99,26 @@ class KVCache:
         """Room for n tokens in every layer (kept: the first `length`)."""
         if n <= self.capacity:
             return
-        cap = min(self.max_len, max(n, 2 * self.capacity, 256))
+        # Grown by a quarter: a long prompt reserves its length exactly, and doubling at its
+        # first decoded token held twice the keys and values the context needed. Any factor
+        # above 1 keeps the copies amortised (here at most 4 per position), small beside the
+        # attention that reads every position at every step.
+        cap = min(self.max_len, max(n, self.capacity + self.capacity // 4, 256))
         default = (self.cfg.num_kv_heads, self.cfg.head_dim)
-
-        def shape(i: int) -> tuple[int, int, int]:
-            G, Dh = self.shapes.get(i, default)
-            return (G, cap, Dh)
-
-        new_k = {i: torch.empty(shape(i), device=self.device, dtype=self.dtype) for i in self.layers}
-        new_v = {i: torch.empty(shape(i), device=self.device, dtype=self.dtype) for i in self.layers}
-        for old, new in ((self.k, new_k), (self.v, new_v)):
-            for i, o in old.items():
-                new[i][:, : self.length].copy_(o[:, : self.length])
-        self.k, self.v, self.capacity = new_k, new_v, cap
+        # One buffer at a time, the old one dropped once copied: the peak is the new buffers plus
+        # one old one, where allocating all the new ones first held old + new (3x the old size
+        # when doubling). Stopped half-way (out of memory), every buffer still holds at least
+        # `capacity` rows and the first `length`, so the cache stays usable.
+        for buffers in (self.k, self.v):
+            for i in self.layers:
+                G, Dh = self.shapes.get(i, default)
+                new = torch.empty((G, cap, Dh), device=self.device, dtype=self.dtype)
+                old = buffers.pop(i, None)
+                if old is not None:
+                    new[:, : self.length].copy_(old[:, : self.length])
+                buffers[i] = new
+                del old, new
+        self.capacity = cap
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [G, T, Dh] after the cached tokens; return all keys and values [G, P+T, Dh]."""
