@@ -143,3 +143,18 @@ def test_a_stretch_returning_all_logits_takes_prefill_mem_plus_the_logits(wide, 
     used = _forward_peak(model, ids, ubatch=16)
     assert model.last_prefill.stretches == 3
     assert used <= tokens * per_token + logits, (used, tokens * per_token, logits)
+
+
+def test_a_prompt_in_one_stretch_returns_its_logits_without_a_copy(wide):
+    """Perplexity asks for the logits of one stretch per call: [tokens, vocabulary], 2.3 GiB for
+    4096 tokens of Qwen3's vocabulary in fp32. The call returns the forward's own tensor; several
+    stretches' logits are joined into one (a copy)."""
+    model = expertcache.load(wide["qwen3_moe"], dtype="float32", kernels="torch")
+    made = []
+    forward = model.net.forward
+    model.net.forward = lambda *a, **k: made.append(forward(*a, **k)) or made[-1]
+    out = model.prefill(model.new_session(), ids_of(40, seed=1, vocab=VOCAB), all_logits=True)
+    assert len(made) == 1 and out.data_ptr() == made[0].data_ptr()
+    model.stretch = 16
+    out = model.prefill(model.new_session(), ids_of(40, seed=1, vocab=VOCAB), all_logits=True)
+    assert len(made) == 4 and torch.equal(out, torch.cat(made[1:]))

@@ -328,7 +328,9 @@ class Model:
             self.last_prefill = PrefillStats(done, -(-done // step), self._read_bytes() - before,
                                              time.perf_counter() - t0)
             self.prefill_total = self.prefill_total + self.last_prefill
-        return torch.cat(outs) if all_logits else outs[-1][-1]
+        if not all_logits:
+            return outs[-1][-1]
+        return torch.cat(outs) if len(outs) > 1 else outs[0]  # one stretch: its logits, not a copy
 
     def prefill_info(self) -> dict:
         """The prefill schedule and what the last prefill read, for JSON outputs."""
