@@ -4,8 +4,10 @@ way transformers renders them. The engine never sees text; this module is the on
 
 from __future__ import annotations
 
+import codecs
 import json
 import operator
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -24,6 +26,18 @@ _LONG = 4096
 _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # The names a message's reasoning may come under, the one chat templates read first.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# A token ByteFallback decodes as one byte.
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """The byte-level alphabet (GPT-2's bytes_to_unicode), character to byte, as the ByteLevel decoder reads it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    rest = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(rest)}}
+
+
+_BYTE_LEVEL = _byte_level_chars()
 
 
 def _token_text(value) -> str | None:
@@ -94,7 +108,10 @@ class Tokenizer:
         self._compiled = None
         self._plain: HFTokenizer | None = None  # `encode(parse_special=False)`'s copy, made on first use
         # What decode(skip_special_tokens=True) leaves out.
-        self.special_ids = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+        added = self.tok.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._added_ids = frozenset(added)
+        self._decoder_steps = _decoder_steps(self.tok)
 
     @property
     def vocab_size(self) -> int:
@@ -139,6 +156,31 @@ class Tokenizer:
             raise ExpertCacheError(f"token id {bad!r} is not a token id (expected an integer from 0; this "
                                    f"tokenizer has {self.vocab_size} tokens)") from None
 
+    def piece(self, token_id: int) -> str | list[int]:
+        """llama-server's /tokenize piece of a token: its own bytes as a string where they are valid
+        UTF-8, else as a list of byte values (a byte token, or part of a character)."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return list(raw)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes llama.cpp's token_to_piece(special=true) gives a token: an added (control or
+        user-defined) token's text, and any other token as the decoder makes it when alone, less what
+        the decoder does by position only: a SentencePiece word keeps its leading space (decode([id])
+        strips it), a byte token or a byte-level token that is part of a character stays bytes
+        (decode turns them into U+FFFD). Nothing for an id past the vocabulary."""
+        token = self.tok.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token_id in self._added_ids:
+            return token.encode()
+        own = _own_bytes(self._decoder_steps, token)
+        if own is None:  # a decoder step not known here: its decode, as before
+            return self.decode([token_id], skip_special_tokens=False).encode()
+        return own
+
     def check_chat_template(self) -> None:
         """Raises, naming where a template would be, when this tokenizer has none."""
         if not self.chat_template:
@@ -169,6 +211,67 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
         # The rendered template already holds any special tokens it wants, as in transformers.
         return self.encode(self.render_chat(messages, add_generation_prompt, **extra), add_special_tokens=False)
+
+
+def _decoder_steps(tok: HFTokenizer) -> list[dict] | None:
+    """The decoder's steps as tokenizer.json spells them ([] for none); None where one is nested."""
+    if tok.decoder is None:
+        return []
+    spec = json.loads(tok.decoder.__getstate__())
+    steps = spec.get("decoders", []) if spec.get("type") == "Sequence" else [spec]
+    return None if any(s.get("type") == "Sequence" for s in steps) else steps
+
+
+def _own_bytes(steps: list[dict] | None, token: str) -> bytes | None:
+    """What the decoder `steps` make of `token` alone, leaving out the steps that act by position
+    (Strip of the text's first space, Metaspace's of the first token's); None for an unknown step."""
+    if steps is None:
+        return None
+    piece: str | bytes = token
+    for step in steps:
+        kind = step.get("type")
+        if kind in ("Replace", "Metaspace"):
+            if kind == "Replace":
+                if "String" not in step.get("pattern", {}):
+                    return None
+                old, new = step["pattern"]["String"], step.get("content", "")
+            else:
+                old, new = step.get("replacement", "▁"), " "
+            piece = piece.replace(old, new) if isinstance(piece, str) else piece.replace(old.encode(), new.encode())
+        elif kind == "ByteFallback":
+            byte = _BYTE_TOKEN.fullmatch(piece) if isinstance(piece, str) else None
+            if byte:
+                piece = bytes([int(byte[1], 16)])
+        elif kind == "ByteLevel":
+            if isinstance(piece, str):  # a token with a character outside the alphabet is its own UTF-8
+                piece = bytes(_BYTE_LEVEL[c] for c in piece) if all(c in _BYTE_LEVEL for c in piece) else piece.encode()
+        elif kind not in ("Fuse", "Strip"):
+            return None
+    return piece if isinstance(piece, bytes) else piece.encode()
+
+
+def _byte_runs(steps: list[dict] | None) -> str | None:
+    """How a decoder turns bytes into text where StreamDecoder can follow it: "level" (ByteLevel:
+    all the bytes together, each invalid sequence one U+FFFD), "fallback" (SentencePiece's
+    Replace('▁', ' '), ByteFallback, Fuse, Strip: a run of byte tokens at a time, one U+FFFD per
+    byte where the run is not valid UTF-8), None for any other."""
+    kinds = [s.get("type") for s in steps or ()]
+    if kinds == ["ByteLevel"]:
+        return "level"
+    spm = all(s.get("type") in ("ByteFallback", "Fuse") or s == {"type": "Strip", "content": " ", "start": 1, "stop": 0}
+              or (s.get("type") == "Replace" and s.get("pattern") == {"String": "▁"} and s.get("content") == " ")
+              for s in steps or ())
+    return "fallback" if spm and "ByteFallback" in kinds else None
+
+
+def _invalid_utf8(data: bytes) -> bool:
+    """Whether `data` holds a byte that no bytes after it make valid UTF-8 (more than an unfinished
+    character at its end)."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
+    except UnicodeDecodeError:
+        return True
+    return False
 
 
 def _is_id(value) -> bool:
@@ -285,6 +388,10 @@ class StreamDecoder:
         self.prefix = 0         # window start: one piece back, for context
         self.read = len(ids)    # tokens already emitted as text
         self.emitted: list[str] = []
+        self._bytes = _byte_runs(tokenizer._decoder_steps)
+        self._tail, self._held = b"", 0  # byte-level: the last 4 bytes of the ids since `read`, and their count
+        self._stuck = False     # byte fallback: held text that more byte tokens keep held
+        self._changed = False   # whether the last _unread found the window's text changed what was emitted
 
     def push(self, token_id: int) -> str:
         if token_id in self.tokenizer.special_ids:
@@ -292,18 +399,60 @@ class StreamDecoder:
             # each push decode the whole run again).
             return ""
         self.ids.append(token_id)
+        if self._still_held(token_id):
+            return ""
         new = self._unread()
         if not new or new.endswith("\ufffd"):
+            self._stuck = self._bytes == "fallback" and self._poisoned()
             return ""
         self.prefix, self.read = self.read, len(self.ids)
+        self._tail, self._held, self._stuck = b"", 0, False
         self.emitted.append(new)
         return new
+
+    def _still_held(self, token_id: int) -> bool:
+        """Whether the text pushed since the last piece still ends in U+FFFD (so `push` gives
+        nothing), where that is known without decoding the window: decoding it at each push made a
+        long run of invalid bytes cost the square of its length. Only what `_unread` would find."""
+        token = self.tokenizer.tok.id_to_token(token_id)
+        if token is None:
+            return True  # past the vocabulary: decoding drops it, so nothing changes
+        if self._bytes == "level":
+            own = _own_bytes(self.tokenizer._decoder_steps, token)
+            self._tail, self._held = (self._tail + own)[-4:], self._held + len(own)
+            # The ByteLevel decoder decodes the ids' bytes together, invalid ones as U+FFFD, and
+            # UTF-8 starts afresh at each byte that is no continuation byte: the last four bytes
+            # say how the text ends. With four or more since the last piece, the window's text and
+            # that of the new ids alone (both of which `_unread` may use) end alike.
+            return self._held >= 4 and self._tail.decode("utf-8", "replace").endswith("\ufffd")
+        # ByteFallback decodes a run of byte tokens that holds an invalid byte as one U+FFFD per
+        # byte: one more byte token adds one more.
+        return self._stuck and _BYTE_TOKEN.fullmatch(token) is not None
+
+    def _poisoned(self) -> bool:
+        """Whether the held text ends in a run of byte tokens with a byte that no later byte makes
+        valid UTF-8: that of the window and, where `_unread` went by the new ids alone, theirs."""
+        return all(_invalid_utf8(self._run_bytes(start)) for start in (self.prefix, self.read)[:1 + self._changed])
+
+    def _run_bytes(self, start: int) -> bytes:
+        """The bytes of the byte tokens that end the ids from `start`, as the decoder sees them."""
+        run = []
+        for i in reversed(self.ids[start:]):
+            token = None if i in self.tokenizer.special_ids else self.tokenizer.tok.id_to_token(i)
+            if token is None:  # decoding drops it: the run goes on across it
+                continue
+            byte = _BYTE_TOKEN.fullmatch(token)
+            if byte is None:
+                break
+            run.append(int(byte[1], 16))
+        return bytes(reversed(run))
 
     def _unread(self) -> str:
         """The text the ids not yet emitted add to what was."""
         before = self.tokenizer.decode(self.ids[self.prefix: self.read])
         text = self.tokenizer.decode(self.ids[self.prefix:])
-        if not text.startswith(before):
+        self._changed = not text.startswith(before)
+        if self._changed:
             # Decoding the window again changed text already emitted: byte-fallback tokens decode
             # as one run, and a run that turns invalid UTF-8 becomes one U+FFFD per byte, a
             # character completed earlier in it included. The new ids' own bytes continue it

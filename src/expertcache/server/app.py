@@ -232,7 +232,9 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
         def run():
             ids = model.tokenizer.encode(content, add_special_tokens=add_special)
             if with_pieces:
-                return [{"id": i, "piece": model.tokenizer.decode([i], skip_special_tokens=False)} for i in ids]
+                # llama-server's pieces: each token's own bytes (decoding it alone drops a word's leading
+                # space and turns a byte into U+FFFD), as text or, where not UTF-8, as byte values.
+                return [{"id": i, "piece": model.tokenizer.piece(i)} for i in ids]
             return ids
 
         return {"tokens": await off_loop("content", run)}
