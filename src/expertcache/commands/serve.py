@@ -9,8 +9,9 @@ import sys
 
 from ..errors import ExpertCacheError
 from ..server.limits import MAX_BODY_BYTES
+from ..server.slots import MAX_QUEUE
 from .args import byte_count, open_listener_warning
-from ..flags import add_cache_flags, positive_int
+from ..flags import add_cache_flags, nonneg_int, positive_int
 from .common import add_model_flags, load_model
 
 
@@ -53,7 +54,7 @@ def cmd_serve(args) -> int:
     model = load_model(args)
     app = create_app(model, model_id=args.alias, n_slots=args.parallel, cache_prompt=not args.no_cache_prompt,
                      ubatch=args.ubatch, api_key=api_key, max_body_bytes=args.max_body_bytes,
-                     cors_origins=args.cors_origins)
+                     cors_origins=args.cors_origins, max_queue=args.max_queue)
     print(f"expertcache: serving '{app.state.model_id}' on http://{host}:{port} "
           f"({args.parallel} slot(s) of {model.ctx_size} tokens, prompt cache "
           f"{'off' if args.no_cache_prompt else 'on'}, cache mode {model.telemetry().get('mode')}, "
@@ -108,6 +109,9 @@ def register(sub) -> None:
     p.add_argument("--max-body-bytes", type=byte_count, default=MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body; larger ones get 413 (default: {MAX_BODY_BYTES // 2**20}MiB; "
                         "units KiB, MiB, GiB allowed)")
+    p.add_argument("--max-queue", type=nonneg_int, default=MAX_QUEUE, metavar="N",
+                   help="requests that may wait while one runs; more are refused with 503 and Retry-After "
+                        f"(default: {MAX_QUEUE}; 0: none wait)")
     p.add_argument("--cors-origins", type=_origins, default=("*",), metavar="ORIGINS",
                    help="web origins whose pages may call the API from a browser, comma-separated, e.g. "
                         "http://localhost:3000; '*' any (default, as llama-server and vLLM), '' none")

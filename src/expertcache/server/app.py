@@ -23,7 +23,7 @@ from .auth import require_api_key
 from .dashboard import add_dashboard
 from .limits import MAX_BODY_BYTES, read_body
 from .metrics import make_registry
-from .slots import Job, Scheduler
+from .slots import MAX_QUEUE, Job, Scheduler
 
 # While a non-streaming request waits, how often to check whether its client left.
 DISCONNECT_POLL_S = 0.1
@@ -31,15 +31,15 @@ DISCONNECT_POLL_S = 0.1
 
 def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, cache_prompt: bool = True,
                ubatch: int = 512, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               cors_origins: tuple[str, ...] = ("*",)) -> FastAPI:
+               cors_origins: tuple[str, ...] = ("*",), max_queue: int = MAX_QUEUE) -> FastAPI:
     """An app serving `model` under `model_id` (default: the model directory's name) with
     `n_slots` slots of `model.ctx_size` tokens each; the worker runs while the app runs. With
     `api_key`, every route but /health wants it as a bearer token (see auth.py); a request body
-    over `max_body_bytes` is refused with 413. Pages of `cors_origins` ("*": any) may call it
-    from a browser."""
+    over `max_body_bytes` is refused with 413, and one that would wait behind `max_queue` others
+    with 503. Pages of `cors_origins` ("*": any) may call it from a browser."""
     if model.tokenizer is None:
         raise ExpertCacheError(f"{model.path}: the server needs a tokenizer (tokenizer.json)")
-    scheduler = Scheduler(model, n_slots, cache_prompt)
+    scheduler = Scheduler(model, n_slots, cache_prompt, max_queue)
     served = model_id or model.path.name
     ctx = model.ctx_size
 
@@ -64,7 +64,7 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
     # ---- errors: always OpenAI's shape ----
     @app.exception_handler(P.ApiError)
     async def api_error(request, e: P.ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, e: RequestValidationError):
@@ -131,7 +131,7 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
     async def _generate(request: Request, body: dict, ids: list[int], gen: dict, stream: bool,
                         include_usage: bool, param: str, chat: bool):
         P.check_prompt_fits(ids, ctx, param)
-        P.limit_tokens(gen, ctx, len(ids))
+        P.limit_tokens(gen, ctx, len(ids), param)
         job = Job(ids, gen, cache_prompt=P.get_bool(body, "cache_prompt", True))
         rid = P.new_id("chatcmpl" if chat else "cmpl")
         events = _wire(job)
@@ -282,11 +282,14 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
 def _error_of(e: BaseException) -> P.ApiError:
     """The API's answer to an error from the engine. An ExpertCacheError is the request's fault
     (400) unless its class says otherwise with `status` and `code` attributes (the weights
-    changing under a request: 503 `model_changed`; a checkpoint that could not be read: 500)."""
+    changing under a request: 503 `model_changed`; a checkpoint that could not be read: 500), and
+    `retry_after` seconds (a full queue)."""
     if isinstance(e, P.ApiError):
         return e
     if isinstance(e, ExpertCacheError):
-        return P.ApiError(str(e), status=getattr(e, "status", 400), code=getattr(e, "code", None))
+        retry = getattr(e, "retry_after", None)
+        return P.ApiError(str(e), status=getattr(e, "status", 400), code=getattr(e, "code", None),
+                          headers=None if retry is None else {"Retry-After": str(retry)})
     return P.ApiError(f"internal error: {type(e).__name__}: {e}", status=500)
 
 

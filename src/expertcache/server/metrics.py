@@ -116,7 +116,22 @@ class ServerCollector(Collector):
                                 value=sum(kv.snapshot_bytes() for kv in kept))
 
 
+class QueueCollector(Collector):
+    """The queue's bound (`--max-queue`) and the requests refused at it, beside the
+    `requests_deferred` gauge that approaches the bound."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+
+    def collect(self):
+        yield GaugeMetricFamily(f"{PREFIX}_requests_deferred_limit", "requests that may wait for the worker "
+                                "(--max-queue); more are refused with 503", value=self.scheduler.max_queue)
+        yield CounterMetricFamily(f"{PREFIX}_requests_refused", "requests refused with 503 because the queue "
+                                  "was full (not counted in requests_total)", value=self.scheduler.snapshot().refused)
+
+
 def make_registry(model, scheduler: Scheduler) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServerCollector(model, scheduler))
+    registry.register(QueueCollector(scheduler))
     return registry

@@ -16,13 +16,14 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
-    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status` (and
+    `headers`, such as a 503's `Retry-After`)."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         message, param = _printable(message), None if param is None else _printable(param)
         super().__init__(message)
-        self.message, self.status, self.param, self.code = message, status, param, code
+        self.message, self.status, self.param, self.code, self.headers = message, status, param, code, headers
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
@@ -380,12 +381,19 @@ def stream_options(body: dict, stream: bool) -> bool:
     return bool(opts.get("include_usage"))
 
 
-def limit_tokens(gen: dict, ctx: int, prompt_tokens: int) -> None:
-    """Settle max_tokens for a prompt: by default up to the end of the context (as llama-server
-    and vLLM), and never past it (the last token needs no KV slot)."""
-    if gen["max_tokens"] is None:
-        gen["max_tokens"] = max(0, ctx - prompt_tokens)
-    gen["max_tokens"] = min(gen["max_tokens"], ctx - prompt_tokens + 1)
+def limit_tokens(gen: dict, ctx: int, prompt_tokens: int, param: str) -> None:
+    """Settle max_tokens for a prompt: by default up to the end of the context, and never past
+    it. The prompt and the completion together fit the slot's context (`usage.total_tokens` <=
+    n_ctx), as llama-server (n_predict -1, no context shift) and vLLM count, whether max_tokens
+    is left out or larger: the engine could sample one more token (the last one needs no KV
+    slot), but the conversation sent back with it would no longer fit. A prompt that fills the
+    context leaves no room for a token: refused as they refuse it, unless max_tokens is 0 (the
+    prompt is only processed)."""
+    room = ctx - prompt_tokens
+    if room <= 0 and gen["max_tokens"] != 0:
+        raise ApiError(f"the prompt has {prompt_tokens} tokens and fills the context of a slot ({ctx} tokens): "
+                       "no room for a completion", param=param, code="context_length_exceeded")
+    gen["max_tokens"] = room if gen["max_tokens"] is None else min(gen["max_tokens"], room)
 
 
 # ---- prompts ----

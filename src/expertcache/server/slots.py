@@ -18,6 +18,10 @@ from ..errors import ExpertCacheError
 # is the first half of this rule); otherwise the least recently used slot is taken, so that two
 # conversations sharing only a system prompt do not keep evicting each other.
 SIMILARITY = 0.5
+# Requests that may wait for the worker (`--max-queue`); more are refused (`QueueFull`). Each holds
+# its connection, its prompt and its parsed body; an unbounded queue under load only grows until
+# its clients time out.
+MAX_QUEUE = 64
 
 
 class ShuttingDown(ExpertCacheError):
@@ -29,6 +33,21 @@ class ShuttingDown(ExpertCacheError):
 
     def __init__(self, message: str = "the server is shutting down"):
         super().__init__(message)
+
+
+class QueueFull(ExpertCacheError):
+    """What a job submitted while one runs and `max_queue` others wait gets: the API answers 503
+    `server_overloaded` with `Retry-After` (the server, not this client, is over its load: a
+    load balancer tries another replica, and OpenAI's clients retry after the delay)."""
+
+    status = 503
+    code = "server_overloaded"
+    # Short: a place frees as soon as one request ends, and clients back off further on their own.
+    retry_after = 1
+
+    def __init__(self, max_queue: int):
+        super().__init__(f"the server is busy: its queue is full (--max-queue {max_queue}: at most {max_queue} "
+                         "request(s) wait while one runs); try again later")
 
 
 @dataclass(slots=True)
@@ -85,6 +104,7 @@ class Stats:
     predicted_seconds: float = 0.0
     processing: int = 0         # gauge: requests running now (0 or 1)
     deferred: int = 0           # gauge: requests waiting in the queue
+    refused: int = 0            # requests refused because the queue was full (never taken)
 
     def record(self, res: GenerationResult) -> None:
         self.requests += 1
@@ -97,12 +117,15 @@ class Stats:
 
 
 class Scheduler:
-    """A FIFO queue of jobs served by one worker thread over `n_slots` KV sessions."""
+    """A FIFO queue of jobs served by one worker thread over `n_slots` KV sessions; at most
+    `max_queue` jobs wait while the worker is busy (0: none)."""
 
-    def __init__(self, model: Model, n_slots: int = 1, cache_prompt: bool = True):
+    def __init__(self, model: Model, n_slots: int = 1, cache_prompt: bool = True, max_queue: int = MAX_QUEUE):
         if n_slots < 1:
             raise ValueError(f"n_slots {n_slots} must be at least 1")
-        self.model, self.cache_prompt = model, cache_prompt
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue {max_queue!r} must be an integer >= 0")
+        self.model, self.cache_prompt, self.max_queue = model, cache_prompt, max_queue
         self.slots = [Slot(i) for i in range(n_slots)]
         self.stats = Stats()
         self._lock = threading.Lock()  # guards stats against a concurrent /metrics scrape
@@ -152,12 +175,25 @@ class Scheduler:
                 self._thread = None  # else kept: start() waits for it rather than run a second worker
 
     def submit(self, job: Job) -> None:
+        """Queue `job`, or end it at once: with `ShuttingDown` once stop() began, with
+        `QueueFull` when it would wait behind `max_queue` others."""
         with self._lock:
-            if not self.stopping.is_set():
+            if self.stopping.is_set():
+                err: ExpertCacheError = ShuttingDown()
+            elif self._waiting() + (self.stats.processing > 0) > self.max_queue:
+                self.stats.refused += 1
+                err = QueueFull(self.max_queue)
+            else:
                 self.stats.deferred += 1
                 self._queue.put(job)
                 return
-        job.on_done(None, ShuttingDown())
+        job.on_done(None, err)
+
+    def _waiting(self) -> int:
+        """Jobs queued whose client still waits (with the lock held). Read from the queue, not
+        from `stats.deferred`: that still counts a job the worker has just taken."""
+        with self._queue.mutex:
+            return sum(1 for job in self._queue.queue if job is not None and not job.cancelled.is_set())
 
     def snapshot(self) -> Stats:
         with self._lock:
