@@ -196,6 +196,7 @@ def test_a_full_queue_refuses_with_503_and_the_server_goes_on(ckpt):
             assert metric(text, "expertcache_requests_refused_total") == 4
             assert metric(text, "expertcache_requests_deferred_limit") == 1
             assert metric(text, "expertcache_requests_deferred") == 1
+            assert c.get("/cache/state").json()["server"]["refused"] == 4  # the web page's counters
             # The refused requests never reached the worker, nor the queue.
             assert sched.snapshot().deferred == 1 and sched.snapshot().requests == 0
         finally:

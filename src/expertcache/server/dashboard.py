@@ -89,7 +89,7 @@ def snapshot(model, scheduler: Scheduler, counter: TokenCounter | None = None, m
         server={"slots": len(scheduler.slots), "requests": stats.requests, "aborted": stats.aborted,
                 "failed": stats.errors, "prompt_tokens": stats.prompt_tokens,
                 "cached_tokens": stats.cached_tokens, "predicted_tokens": stats.predicted_tokens,
-                "processing": stats.processing, "deferred": stats.deferred},
+                "processing": stats.processing, "deferred": stats.deferred, "refused": stats.refused},
     )
     return out
 
