@@ -141,8 +141,14 @@ class Gemma4(Architecture):
         fields["intermediate_size"] = base_raw["intermediate_size"]
         fields["model_type"] = raw.get("model_type") if raw.get("model_type") in cls.model_types else base.model_type
         cap = merged.get("final_logit_softcapping")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap == 0
+                                or not math.isfinite(cap)):
+            # transformers caps whenever the value is not null: by 0 it divides every logit by zero
+            # (all logits 0 or NaN), so 0 is no way to turn the cap off.
+            raise ExpertCacheError(f"final_logit_softcapping {cap!r}: expected a finite nonzero number, or null "
+                                   "for no soft-capping")
         return Gemma4Config(**fields, layer_types=tuple(types), sliding=sliding, full=full,
-                            final_logit_softcapping=float(cap) if cap else None, wrapped=wrapped)
+                            final_logit_softcapping=None if cap is None else float(cap), wrapped=wrapped)
 
     @classmethod
     def gguf_config(cls, base: ModelConfig, metadata: dict, gg) -> Gemma4Config:
@@ -209,7 +215,8 @@ class Gemma4(Architecture):
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
         fields.update(num_kv_heads=heads_kv[SLIDING], head_dim=head[SLIDING], intermediate_size=ff,
                       norm_topk_prob=True, hidden_act="gelu_pytorch_tanh", sliding_window=sliding.window)
-        cap = metadata.get(f"{a}.final_logit_softcapping")
+        # As llama.cpp: 30 where the key is absent (its default), no cap where it is 0.
+        cap = metadata.get(f"{a}.final_logit_softcapping", 30.0)
         return Gemma4Config(**fields, layer_types=types, sliding=sliding, full=full,
                             final_logit_softcapping=float(cap) if cap else None)
 

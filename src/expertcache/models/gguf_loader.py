@@ -297,9 +297,9 @@ def _rope_from_gguf(a: str, get, theta: float, shared_rotary: bool) -> RopeConfi
 
 def _shared_width(arch: type[Architecture], gg: GGUFCheckpoint, layers: int, width) -> int:
     """The shared expert's width: `expert_shared_feed_forward_length`, or where a converter wrote
-    none, the width of the shared expert's tensors (llama.cpp then takes feed_forward_length, which
-    those tensors must match)."""
-    if width is not None or arch.shared_expert_width is None:
+    none or 0, the width of the shared expert's tensors (llama.cpp then takes feed_forward_length,
+    which those tensors must match)."""
+    if width or arch.shared_expert_width is None:
         return width or 0
     name = next((f"blk.{i}.ffn_down_shexp.weight" for i in range(layers) if f"blk.{i}.ffn_down_shexp.weight" in gg),
                 None)

@@ -181,11 +181,20 @@ def expected_shapes(cfg: ModelConfig, arch: type[Architecture], layout: ExpertLa
 
 def optional_shapes(cfg: ModelConfig, arch: type[Architecture]) -> dict[str, tuple[int, ...]]:
     """Tensors a checkpoint may hold or leave out (a block's defaults then apply), with shapes."""
-    block = arch.block(cfg)
-    if block is None:
-        return {}
     N = arch.names(cfg)
-    return {n: s for i in range(cfg.num_layers) for n, s in block.optional(N["layer"].format(i=i)).items()}
+    out = {}
+    if arch.shared_expert_width is not None and not cfg.shared_expert_intermediate_size:
+        # transformers builds a shared expert of width 0 and its gate where the config says 0, and
+        # saves their empty tensors: the expert adds exactly nothing, so they are not read.
+        D = cfg.hidden_size
+        for i in cfg.moe_layers:
+            p = N["layer"].format(i=i) + N["shared"]
+            out.update({p + "gate_proj.weight": (0, D), p + "up_proj.weight": (0, D), p + "down_proj.weight": (D, 0),
+                        N["layer"].format(i=i) + N["shared_gate"]: (1, D)})
+    block = arch.block(cfg)
+    if block is not None:
+        out.update({n: s for i in range(cfg.num_layers) for n, s in block.optional(N["layer"].format(i=i)).items()})
+    return out
 
 
 def _check_dtypes(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], layout: ExpertLayout) -> None:

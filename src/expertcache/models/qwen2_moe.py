@@ -12,8 +12,15 @@ class Qwen2Moe(Architecture):
     expert_layouts = QWEN_EXPERT_LAYOUTS
     dense_layers = True
     qkv_bias = Key("qkv_bias", True)
-    shared_expert_width = Key("shared_expert_intermediate_size", 0)
+    # transformers' Qwen2MoeConfig defaults, for a config.json that leaves the keys out.
+    dense_width = Key("intermediate_size", 5632)
+    shared_expert_width = Key("shared_expert_intermediate_size", 5632)
     default_max_position = 32768
+
+    @classmethod
+    def _from_hf(cls, raw: dict):
+        # Qwen2MoeConfig's window where `use_sliding_window` asks for one and gives no size.
+        return super()._from_hf({"sliding_window": 4096, **raw})
 
     @classmethod
     def sliding_layers(cls, raw: dict, layers: int) -> tuple[bool, ...]:

@@ -75,7 +75,9 @@ class Qwen35Moe(Architecture):
     qkv_bias = Key("attention_bias", False)
     o_bias = Key("attention_bias", False)
     qk_norm = "head"
-    shared_expert_width = Key("shared_expert_intermediate_size", 0)
+    # transformers' Qwen3_5MoeTextConfig defaults, for a config.json that leaves the key out.
+    shared_expert_width = Key("shared_expert_intermediate_size", 512)
+    default_max_position = 32768
     unit_offset_norms = True
     skipped_prefixes = ("model.visual.", "mtp.")
 
@@ -87,6 +89,9 @@ class Qwen35Moe(Architecture):
             raise ExpertCacheError(f"text_config: expected a JSON object, got {type(text).__name__}")
         # The wrapper's top level holds what the text config may leave out (dtype above all).
         merged = {**{k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}, **text}
+        # transformers' class default: a config.json without head_dim has heads 256 wide, whatever
+        # hidden_size // heads is (the fallback the shared code takes).
+        merged.setdefault("head_dim", 256)
         base = super()._from_hf(merged)
         layers = base.num_layers
         interval = merged.get("full_attention_interval", 4)
