@@ -238,7 +238,7 @@ def test_trace_record_checks_its_output_before_the_run(capsys, ckpt, tmp_path, m
     prompt = _prompt(tmp_path)
     code, err = run_cli(capsys, "trace", "record", "-m", str(ckpt), "-f", str(prompt), "-n", "1",
                         "-o", str(tmp_path / "nope" / "t.npz"))
-    assert_one_line_error(code, err, "no directory")  # one line: not the run's, then this
+    assert_one_line_error(code, err, "does not exist")  # one line: not the run's, then this
     monkeypatch.setattr("os.access", lambda path, mode: False)  # a read-only directory, even to root
     code, err = run_cli(capsys, "trace", "record", "-m", str(ckpt), "-f", str(prompt), "-n", "1",
                         "-o", str(tmp_path / "t.npz"))

@@ -155,9 +155,9 @@ def test_output_paths_that_cannot_be_written_are_one_line_and_change_nothing(sou
     missing = tmp_path / "nope" / "out"
     cases = [
         (["synth", "--like", "tiny"], missing, "does not exist"),
-        (["synth", "--like", "tiny", "--quant", "q4_k_m"], missing, "no directory"),
+        (["synth", "--like", "tiny", "--quant", "q4_k_m"], missing, "does not exist"),
         (["pack", "-m", str(source)], missing, "does not exist"),
-        (["pack", "-m", str(gg)], missing, "no directory"),
+        (["pack", "-m", str(gg)], missing, "does not exist"),
         (["synth", "--like", "tiny", "--quant", "q4_k_m", "--force"], a_dir, "is a directory"),
         (["pack", "-m", str(gg), "--force"], a_dir, "is a directory"),
         (["synth", "--like", "tiny", "--quant", "q4_k_m", "--force"], a_file, "is not a file written by expertcache"),
@@ -280,7 +280,7 @@ def test_to_gguf_never_writes_over_its_source_and_bad_paths_are_one_line(tmp_pat
     tool = Path(__file__).resolve().parents[1] / "tools" / "to_gguf.py"
     before = _tree(source)
     for out, words in ((source / "model.safetensors", "is not to_gguf's output"),
-                       (tmp_path / "nope" / "x.gguf", "no directory"), (tmp_path, "is a directory")):
+                       (tmp_path / "nope" / "x.gguf", "does not exist"), (tmp_path, "is a directory")):
         r = subprocess.run([sys.executable, str(tool), "-m", str(source), "-o", str(out)],
                            capture_output=True, text=True)
         assert_one_line_error(r.returncode, r.stderr, words)

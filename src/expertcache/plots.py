@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .checkpoint.writer import atomic_file
+from .checkpoint.writer import atomic_file, no_directory
 from .errors import ExpertCacheError
 
 
@@ -16,7 +16,7 @@ def check_png_path(path: str) -> None:
         raise ExpertCacheError(f"--plot {path!r}: expected a .png file name")
     parent = Path(path).parent
     if not parent.is_dir():
-        raise ExpertCacheError(f"--plot {path!r}: directory {str(parent)!r} does not exist")
+        raise ExpertCacheError(f"--plot {path!r}: {no_directory(parent)}")
     if Path(path).is_dir():
         raise ExpertCacheError(f"--plot {path!r} is a directory: expected a .png file name")
     if not os.access(parent, os.W_OK | os.X_OK):

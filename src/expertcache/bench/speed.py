@@ -289,6 +289,13 @@ def overhead_profile(model, prompt: list[int], n: int = PROFILE_STEPS) -> dict:
         kernels.native = _Profiled(native)
     if quant is not None:
         kernels._quant = _Profiled(quant, "quant")
+    # torch's profiler (kineto) logs "profiler_start" and "profiler_stop" on stderr at its default
+    # log level (they rank above ERROR): only KINETO_LOG_LEVEL=6, above every kind, keeps them off
+    # the user's terminal. Kineto reads it once, when the process's first profile starts; a level
+    # the user set is kept.
+    quiet = "KINETO_LOG_LEVEL" not in os.environ
+    if quiet:
+        os.environ["KINETO_LOG_LEVEL"] = "6"
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t = time.perf_counter()
@@ -296,6 +303,8 @@ def overhead_profile(model, prompt: list[int], n: int = PROFILE_STEPS) -> dict:
                 tok = int(model.prefill(s, [tok]).argmax())
             wall = time.perf_counter() - t
     finally:
+        if quiet:
+            del os.environ["KINETO_LOG_LEVEL"]
         del residency.plan
         if native is not None:
             kernels.native = native

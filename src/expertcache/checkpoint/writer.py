@@ -117,11 +117,19 @@ def check_output(out: Path, force: bool, sources: tuple[Path, ...] = ()) -> Path
             raise ExpertCacheError(f"output {str(out)!r} holds {extra[0]!r}, which expertcache did not write"
                                    f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}: --force "
                                    "replaces only what pack and synth wrote; move it out or remove the directory")
-    parent = full.parent
-    if not parent.is_dir():
-        raise ExpertCacheError(f"output {str(out)!r}: directory {str(parent)!r} does not exist: expected a path "
-                               "in an existing directory")
+    if not full.parent.is_dir():
+        raise ExpertCacheError(f"output {str(out)!r}: {no_directory(full.parent)}: expected a path in an existing "
+                               "directory")
     return full
+
+
+def no_directory(parent: Path) -> str:
+    """Why `parent` (not a directory) cannot take an output: missing, or a file in the way
+    (`-o notes.txt/out`), which is not a directory that does not exist."""
+    above = next((p for p in (parent, *parent.parents) if p.exists()), None)
+    if above is not None and not above.is_dir():
+        return f"{str(above)!r} is a file, not a directory"
+    return f"directory {str(parent)!r} does not exist"
 
 
 def check_output_file(out: str | Path, force: bool, what: str, is_ours: Callable[[Path], bool]) -> Path:
@@ -139,7 +147,7 @@ def check_output_file(out: str | Path, force: bool, what: str, is_ours: Callable
         if not force:
             raise ExpertCacheError(f"output {str(out)!r} already exists (remove it or pass --force)")
     if not full.parent.is_dir():
-        raise ExpertCacheError(f"cannot write {str(out)!r}: no directory {str(full.parent)!r}")
+        raise ExpertCacheError(f"cannot write {str(out)!r}: {no_directory(full.parent)}")
     if not os.access(full.parent, os.W_OK | os.X_OK):
         raise ExpertCacheError(f"cannot write {str(out)!r}: directory {str(full.parent)!r} is not writable")
     return full

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 
 from ..config import CACHE_MODES
@@ -12,7 +11,7 @@ from ..errors import ExpertCacheError
 from ..perplexity import PerplexityResult, exp_nll, first_difference, num_chunks, perplexity, perplexity_bos_id
 from ..flags import add_cache_flags, cache_config, positive_int
 from ..telemetry import peak_rss_bytes
-from .common import add_model_flags, read_text_file
+from .common import add_model_flags, json_line, read_text_file
 
 
 def cmd_perplexity(args) -> int:
@@ -37,7 +36,7 @@ def cmd_perplexity(args) -> int:
     if modes is None:
         ((mode, (res, tel)),) = runs.items()
         if args.json:
-            print(json.dumps({**header, **_run_json(res, tel)}))
+            print(json_line({**header, **_run_json(res, tel)}))
         else:
             _print_run(res)
             _print_summary(mode, res, tel)
@@ -84,7 +83,7 @@ def _report_compare(args, header: dict, runs) -> int:
                "bitwise_equal": diff is None, "first_difference": None}
         if diff is not None:
             out["first_difference"] = {"chunk": diff + 1, **_chunk_values(runs, diff)}
-        print(json.dumps(out))
+        print(json_line(out))
         return 0 if diff is None else 1
     for mode, (res, _) in runs.items():
         print(f"{mode}:")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import signal
 import sys
@@ -14,7 +13,8 @@ from pathlib import Path
 from ..errors import ExpertCacheError
 from ..flags import add_cache_flags, nonneg_int
 from ..telemetry import peak_rss_bytes
-from .common import PrefillBar, add_model_flags, add_sampling_flags, load_model, read_text_file, sampling_options
+from .common import (PrefillBar, add_model_flags, add_sampling_flags, json_line, load_model, read_text_file,
+                     sampling_options)
 
 
 def cmd_run(args) -> int:
@@ -51,7 +51,7 @@ def cmd_run(args) -> int:
             sys.stdout.flush()
         raise
     if args.json:
-        print(json.dumps(_result_json(model, res)))
+        print(json_line(_result_json(model, res)))
     else:
         sys.stdout.write("\n")
         _context_notice(model, res, args.n_predict)
@@ -256,7 +256,7 @@ def cmd_info(args) -> int:
             f"projections excepted); everything else is dequantized at load to {str(cfg.dtype).removeprefix('torch.')} "
             "(--dtype)")
     if args.json:
-        print(json.dumps(info))
+        print(json_line(info))
         return 0
     width = max(len(k) for k in info)
     for k, v in info.items():

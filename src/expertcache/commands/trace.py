@@ -5,7 +5,6 @@ and fit a predictor better than the routers."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -14,7 +13,8 @@ from ..flags import add_cache_flags, add_prefetch_width_flag, nonneg_int, positi
 from .args import finite_float, seed
 from ..checkpoint.writer import atomic_file, check_output_file
 from ..plots import check_png_path, pyplot, save_png
-from .common import PrefillBar, add_model_flags, add_sampling_flags, load_model, read_text_file, sampling_options, writing
+from .common import (PrefillBar, add_model_flags, add_sampling_flags, json_line, load_model,
+                     read_text_file, sampling_options, writing)
 
 DEFAULT_CAPACITIES = "10%,25%,50%,75%"
 
@@ -156,14 +156,14 @@ def cmd_simulate(args) -> int:
     if args.plot:
         _plot(args.plot, args.trace, [row for row in rows if not row.prefetch], h.total_experts)
         print(f"wrote {args.plot}")
-    print(json.dumps({"trace": args.trace, "ops": trace.num_ops, "total_experts": h.total_experts,
-                      "expert_bytes": h.expert_bytes, "default_policy": DEFAULT_POLICY,
-                      "prefetch_width": args.prefetch_width if pf else None,
-                      "prefetch_min_prob": args.prefetch_min_prob if pf else None,
-                      "results": [row.as_dict() | {"capacity_spec": label[row.result.capacity],
-                                                   "capacity_pct": pct[row.result.capacity],
-                                                   "default": row.result.policy == DEFAULT_POLICY}
-                                  for row in rows]}))
+    print(json_line({"trace": args.trace, "ops": trace.num_ops, "total_experts": h.total_experts,
+                     "expert_bytes": h.expert_bytes, "default_policy": DEFAULT_POLICY,
+                     "prefetch_width": args.prefetch_width if pf else None,
+                     "prefetch_min_prob": args.prefetch_min_prob if pf else None,
+                     "results": [row.as_dict() | {"capacity_spec": label[row.result.capacity],
+                                                  "capacity_pct": pct[row.result.capacity],
+                                                  "default": row.result.policy == DEFAULT_POLICY}
+                                 for row in rows]}))
     return 0
 
 
@@ -261,8 +261,8 @@ def cmd_stats(args) -> int:
         floors = [(args.prefetch_width, args.prefetch_min_prob)] if args.prefetch_min_prob else []
         quality = {p: prediction_quality(trace, p, floors=floors) for p in phases}
         _print_quality(trace, quality, floors)
-    print(json.dumps({"trace": args.trace, "phase": args.phase, "layers": {str(k): v for k, v in layers.items()},
-                      "prediction": {p: {str(k): v for k, v in q.items()} for p, q in quality.items()}}))
+    print(json_line({"trace": args.trace, "phase": args.phase, "layers": {str(k): v for k, v in layers.items()},
+                     "prediction": {p: {str(k): v for k, v in q.items()} for p, q in quality.items()}}))
     return 0
 
 
@@ -370,7 +370,7 @@ def cmd_fit_predictor(args) -> int:
         print(f"fitted on {report['fit_tokens']:,} tokens; no tokens held out (--held-out {args.held_out:g}): "
               "recall not measured")
         print(f"wrote {out}")
-        print(json.dumps({"output": str(out), **report}))
+        print(json_line({"output": str(out), **report}))
         return 0
     print(f"fitted on {report['fit_tokens']:,} tokens; recall at width 1.0 on the last "
           f"{report['held_out_tokens']:,} (held out):")
@@ -384,7 +384,7 @@ def cmd_fit_predictor(args) -> int:
         print("R@p0.5, P@p0.5: recall and precision of the experts the maps give a probability of 0.5 or more "
               "(--prefetch-min-prob 0.5)")
     print(f"wrote {out}")
-    print(json.dumps({"output": str(out), **report}))
+    print(json_line({"output": str(out), **report}))
     return 0
 
 

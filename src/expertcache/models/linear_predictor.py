@@ -148,6 +148,9 @@ class LinearMaps:
         from safetensors.torch import safe_open
 
         path = Path(path)
+        if path.is_dir():
+            raise ExpertCacheError(f"predictor {path}: a directory: expected a predictor file (.safetensors) that "
+                                   "`expertcache trace fit-predictor` wrote")
         if not path.is_file():
             raise ExpertCacheError(f"predictor {path}: no such file (fit one with `expertcache trace fit-predictor`)")
         try:
