@@ -24,6 +24,7 @@ from expertcache.engine import GenerationResult
 from expertcache.errors import ExpertCacheError
 from expertcache.server.app import create_app
 from expertcache.server.slots import MAX_QUEUE, Job, QueueFull, Scheduler
+from test_server_races import hold_after_first_piece
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 TIMEOUT = 15.0
@@ -117,26 +118,6 @@ def ckpt(tmp_path_factory):
     return save_checkpoint(build_reference(tiny_config("qwen3_moe"), seed=0), tmp_path_factory.mktemp("queue") / "m")
 
 
-def hold_first_generation(model):
-    """The model's first generation stops after its first piece of text until `release` is set;
-    `first` is set once it got there. Returns (first, release)."""
-    first, release = threading.Event(), threading.Event()
-    real = model.generate
-
-    def generate(ids, on_text=None, **kw):
-        def held(piece):
-            go_on = on_text(piece)
-            if not first.is_set():
-                first.set()
-                release.wait(TIMEOUT)
-            return go_on
-
-        return real(ids, on_text=held if on_text is not None else None, **kw)
-
-    model.generate = generate
-    return first, release
-
-
 def count_submits(sched: Scheduler) -> threading.Semaphore:
     """A semaphore released once per job submitted (queued or refused)."""
     submitted, real = threading.Semaphore(0), sched.submit
@@ -156,7 +137,7 @@ def metric(text: str, name: str) -> float:
 def test_a_full_queue_refuses_with_503_and_the_server_goes_on(ckpt):
     model = expertcache.load(ckpt, ctx_size=QCTX)
     ref = expertcache.load(ckpt, ctx_size=QCTX)
-    first, release = hold_first_generation(model)
+    first, release = hold_after_first_piece(model)
     body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
     out: dict[str, httpx.Response] = {}
     app = create_app(model, max_queue=1)

@@ -21,6 +21,7 @@ from expertcache.checkpoint.gguf_io import GGUFCheckpoint
 from expertcache.gguf_tokenizer import tokenizer_parts_from_gguf
 from expertcache.server.app import create_app
 from expertcache.tokenizer import StreamDecoder, Tokenizer
+from test_tokenizer_audit import CountingTokenizer
 
 ROOT = Path(__file__).resolve().parent
 FIXTURES = ROOT / "fixtures" / "gguf"
@@ -116,20 +117,6 @@ def test_tokenizer_json_pieces_match_the_same_models_gguf(model):
 
 
 # ---- streaming runs of invalid bytes ----
-class CountingTokenizer:
-    """A Tokenizer that counts the ids it is asked to decode."""
-
-    def __init__(self, tok: Tokenizer):
-        self.inner, self.decoded = tok, 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def decode(self, ids, skip_special_tokens=True):
-        self.decoded += len(ids)
-        return self.inner.decode(ids, skip_special_tokens)
-
-
 def _tokenizers():
     out = {name: _gguf(f"tokenizers/{name}.gguf")[0] for name in ("spm-tiny", "gemma4-tiny", "bpe-tiny")}
     out["bundled"] = Tokenizer(BUNDLED)
