@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 
 import torch
@@ -168,6 +168,105 @@ class RopeConfig:
         extrapolation = 1 - ramp
         inv = (1.0 / (self.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
         return inv, float(attention)
+
+
+ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeOverride:
+    """A RoPE scaling asked for at load time over the checkpoint's own, with llama.cpp's semantics
+    for `--rope-scaling`, `--rope-scale` and `--yarn-orig-ctx` (llama-context.cpp): what is not
+    given (None, or 0 for the context) is the model's; a model without a scaling type scales
+    linearly; `none` never scales. `names`: how the three values are spelled in messages (the
+    flags, or `load(rope_scaling=...)`'s keys)."""
+
+    type: str | None = None
+    factor: float | None = None
+    original_max_position: int = 0
+    names: tuple[str, str, str] = ("rope_scaling rope_type", "rope_scaling factor",
+                                   "rope_scaling original_max_position_embeddings")
+
+    def __post_init__(self) -> None:
+        kind, scale, orig = self.names
+        if self.type is not None and self.type not in ROPE_SCALING_TYPES:
+            raise ExpertCacheError(f"{kind} {self.type!r}: expected one of {', '.join(ROPE_SCALING_TYPES)}")
+        if self.factor is not None:
+            object.__setattr__(self, "factor", _check_positive(scale, self.factor))
+        if isinstance(self.original_max_position, bool) or not isinstance(self.original_max_position, int) \
+                or self.original_max_position < 0:
+            raise ExpertCacheError(f"{orig} {self.original_max_position!r}: expected an integer >= 0 (the context "
+                                   "the model was trained on before YaRN; 0: the model's own)")
+        # What would be ignored without a word, whatever the model: llama.cpp drops a factor under
+        # `none` and reads the original context for YaRN alone.
+        if self.type == "none" and self.factor is not None:
+            raise ExpertCacheError(f"{scale} {self.factor:g}: {kind} none never scales (leave one of them out)")
+        if self.type in ("none", "linear") and self.original_max_position:
+            raise ExpertCacheError(f"{orig} {self.original_max_position} applies to YaRN only, not to {kind} "
+                                   f"{self.type}")
+        if self.type == "yarn":
+            self._check_yarn_factor()
+
+    def _check_yarn_factor(self) -> None:
+        if self.factor is not None and self.factor <= 1:
+            raise ExpertCacheError(f"{self.names[1]} {self.factor:g}: YaRN extends the context by a factor > 1 "
+                                   "(e.g. 4 for 4x the original context)")
+
+    @classmethod
+    def from_dict(cls, value: dict) -> RopeOverride:
+        """From a rope_scaling object as config.json spells it (and Qwen's model cards give it):
+        rope_type (or 4.x's type), factor, original_max_position_embeddings."""
+        if not isinstance(value, dict):
+            raise ExpertCacheError(f"rope_scaling {value!r}: expected a dict of rope_type, factor and "
+                                   "original_max_position_embeddings, or None")
+        known = ("rope_type", "type", "factor", "original_max_position_embeddings")
+        extra = [k for k in value if k not in known]
+        if extra:
+            raise ExpertCacheError(f"rope_scaling key {extra[0]!r} is not supported: expected "
+                                   f"{', '.join(k for k in known if k != 'type')}")
+        if "rope_type" in value and "type" in value and value["rope_type"] != value["type"]:
+            raise ExpertCacheError(f"rope_scaling rope_type {value['rope_type']!r} and type {value['type']!r} "
+                                   "disagree: give one of them")
+        kind = value.get("rope_type", value.get("type"))
+        original = value.get("original_max_position_embeddings")
+        return cls(kind, value.get("factor"), 0 if original is None else original)
+
+    def given(self) -> str:
+        """The values given, as `names` spell them: "--rope-scaling yarn --rope-scale 4", or
+        "rope_scaling {'rope_type': 'yarn', 'factor': 4.0}"."""
+        values = (self.type, self.factor, self.original_max_position or None)
+        if not self.names[0].startswith("--"):
+            keys = ("rope_type", "factor", "original_max_position_embeddings")
+            return f"rope_scaling {({k: v for k, v in zip(keys, values) if v is not None})!r}"
+        return " ".join(f"{n} {v:g}" if isinstance(v, float) else f"{n} {v}"
+                        for n, v in zip(self.names, values) if v is not None)
+
+    def apply(self, rope: RopeConfig, max_position: int) -> RopeConfig:
+        """The RoPE of a model whose own is `rope` (trained on `max_position` tokens) with this
+        override. Where it would scale by nothing, a one-line error says what is missing."""
+        if self.type is None and self.factor is None and not self.original_max_position:
+            return rope
+        kind_name, scale, orig = self.names
+        kind = self.type or ("linear" if rope.type == "default" else rope.type)
+        if kind == "none":
+            return RopeConfig(theta=rope.theta)
+        factor = self.factor if self.factor is not None else rope.factor
+        if kind == "yarn":
+            self._check_yarn_factor()
+            if factor <= 1:
+                own = "no factor" if factor == 1 else f"a factor of {factor:g}"
+                raise ExpertCacheError(f"{kind_name} yarn needs {scale} > 1: the model gives {own}")
+            original = self.original_max_position or rope.original_max_position or max_position
+            if rope.type == "yarn":  # a config's own beta, mscale, ... stay
+                return replace(rope, factor=factor, original_max_position=original)
+            return RopeConfig(theta=rope.theta, type="yarn", factor=factor, original_max_position=original)
+        if self.original_max_position:  # no type given: the model's scaling is linear, or none
+            raise ExpertCacheError(f"{orig} {self.original_max_position} applies to YaRN only, and the scaling "
+                                   f"is {kind} (add {kind_name} yarn)")
+        if self.factor is None and factor == 1:
+            raise ExpertCacheError(f"{kind_name} linear needs {scale}: the model gives no factor")
+        return RopeConfig(theta=rope.theta) if factor == 1 else RopeConfig(theta=rope.theta, type="linear",
+                                                                           factor=factor)
 
 
 def _rope_keys(section: dict) -> dict:

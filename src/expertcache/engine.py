@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .config import CacheConfig, ModelConfig, parse_dtype
+from .config import CacheConfig, ModelConfig, RopeOverride, parse_dtype
 from .errors import ExpertCacheError
 from .kernels import Kernels
 from .kernels import select as select_kernels
@@ -144,6 +144,7 @@ class LoadOptions:
     prefill_stretch: int = 4096  # tokens per load of each expert in a long prefill (`Model.prefill`)
     prefill_mem: int = 2 << 30   # bytes a stretch's activations may take; a longer stretch is cut
     activations: str = "auto"    # products with quantized weights: exact, or rounded to 8 bits (q8)
+    rope: RopeOverride | None = None  # a RoPE scaling over the checkpoint's own
 
 
 class Model:
@@ -561,7 +562,8 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
          dtype: str | torch.dtype | None = None, cache: CacheConfig | None = None,
          ctx_size: int | None = None, threads: int | None = None, kernels: str = "auto",
          tokenizer: str | os.PathLike | None = None, prefill_stretch: int = 4096,
-         prefill_mem: int | None = None, activations: str = "auto") -> Model:
+         prefill_mem: int | None = None, activations: str = "auto",
+         rope_scaling: dict | RopeOverride | None = None) -> Model:
     """Load a Hugging Face MoE checkpoint directory or a GGUF file (the bundled model when `path`
     is None). `tokenizer` names a directory with a tokenizer.json to use instead of the model's.
 
@@ -573,7 +575,12 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     with bf16 matrix instructions, all of them on one without) and exact elsewhere
     (`kernels.ACTIVATIONS_CHOICES`). `prefill_stretch`: tokens a long prompt's MoE ops run over per load of each
     expert (`Model.prefill`), cut to what `prefill_mem` bytes of activations hold (default
-    2 GiB). Every argument is checked before a weight is read."""
+    2 GiB). `rope_scaling` sets the RoPE scaling over the checkpoint's own, as llama.cpp's
+    --rope-scaling, --rope-scale and --yarn-orig-ctx do: a dict as config.json's rope_scaling
+    (Qwen's model cards: {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
+    32768}) with rope_type none, linear or yarn; what it leaves out is the model's own (a model
+    without scaling scales linearly), and none turns a checkpoint's scaling off. Every argument is
+    checked before a weight is read."""
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ExpertCacheError(f"threads {threads!r} must be an integer >= 1")
@@ -586,8 +593,10 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
             raise ExpertCacheError(f"{name} {value!r} must be an integer >= 1")
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise ExpertCacheError(f"model path {path!r} must be a string or a path (None: the bundled model)")
+    if rope_scaling is not None and not isinstance(rope_scaling, RopeOverride):
+        rope_scaling = RopeOverride.from_dict(rope_scaling)
     options = LoadOptions(_device(device), parse_dtype(dtype), cache or CacheConfig(), ctx_size, kernels,
-                          prefill_stretch, prefill_mem or LoadOptions.prefill_mem, activations)
+                          prefill_stretch, prefill_mem or LoadOptions.prefill_mem, activations, rope_scaling)
     path = Path(path) if path is not None else default_model_path()
     # The tokenizer is read before the weights and the kernels (whose first build takes a
     # minute): a bad one fails at once.
@@ -662,7 +671,7 @@ def _assemble(path: Path, options: LoadOptions, kernels: Kernels | None,
     """Open the checkpoint at `path` and build its decoder. A first load builds the kernels and
     the expert cache; a reload keeps them and hands the cache the new slow tier, which
     invalidates exactly the slots that went stale."""
-    opened = open_model(path)
+    opened = open_model(path, options.rope)
     dtype = options.dtype or opened.cfg.dtype
     if kernels is None:  # before the weights: a bad choice costs nothing
         quantized = any(opened.experts.format(i).quantized for i in opened.cfg.moe_layers)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 
+from ..config import ROPE_SCALING_TYPES, RopeOverride
 from ..errors import ExpertCacheError
 # Kept in `flags`, where the benchmarks (which may not import `commands`) find them too.
 from ..flags import finite_float, threads  # noqa: F401
@@ -37,6 +38,48 @@ def byte_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected a positive number of bytes "
                                          "(e.g. 8388608, 512KiB, 8MiB)")
     return int(t) * scale
+
+
+def rope_scale(text: str) -> float:
+    """An argparse type: a RoPE scaling factor, a finite number > 0."""
+    v = finite_float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number (the context is extended by this "
+                                         "factor, e.g. 4)")
+    return v
+
+
+def yarn_orig_ctx(text: str) -> int:
+    """An argparse type: YaRN's original context, an integer >= 0 (0: the model's own)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0 (the context the model was trained on before YaRN; "
+                                         "0: the model's own)")
+    return v
+
+
+ROPE_FLAGS = ("--rope-scaling", "--rope-scale", "--yarn-orig-ctx")
+
+
+def add_rope_flags(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's RoPE scaling flags, with its meaning: each left out is the model's own."""
+    p.add_argument("--rope-scaling", choices=ROPE_SCALING_TYPES,
+                   help="RoPE frequency scaling: none, linear or yarn (default: the model's; linear where it has "
+                        "none and --rope-scale is given)")
+    p.add_argument("--rope-scale", type=rope_scale, metavar="F",
+                   help="RoPE scaling factor: the context is extended F times (default: the model's)")
+    p.add_argument("--yarn-orig-ctx", type=yarn_orig_ctx, default=0, metavar="N",
+                   help="YaRN: the context the model was trained on before scaling (default: 0, the model's own)")
+
+
+def rope_options(args) -> dict:
+    """`load`'s rope_scaling from `add_rope_flags`' flags, checked here, before a model loads."""
+    if args.rope_scaling is None and args.rope_scale is None and not args.yarn_orig_ctx:
+        return {}
+    return {"rope_scaling": RopeOverride(args.rope_scaling, args.rope_scale, args.yarn_orig_ctx, ROPE_FLAGS)}
 
 
 def check_device(name: str) -> None:

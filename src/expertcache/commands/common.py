@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from ..errors import ExpertCacheError
 from ..flags import add_kernels_flag, add_prefill_flags, cache_config, nonneg_int, positive_int, prefill_options
 from ..sampling import SamplingParams
-from .args import finite_float, seed, threads
+from .args import add_rope_flags, finite_float, rope_options, seed, threads
 
 
 def add_model_flags(p: argparse.ArgumentParser, ctx: bool = True) -> None:
@@ -34,6 +34,7 @@ def add_model_flags(p: argparse.ArgumentParser, ctx: bool = True) -> None:
     p.add_argument("--ubatch", type=positive_int, default=512, help="prefill micro-batch size (default: 512)")
     add_prefill_flags(p)
     add_kernels_flag(p)
+    add_rope_flags(p)
 
 
 def load_model(args):
@@ -42,7 +43,7 @@ def load_model(args):
     model = load(args.model, device=args.device, dtype=args.dtype, cache=cache_config(args),
                  ctx_size=getattr(args, "ctx_size", None), threads=args.threads,
                  kernels=args.kernels, activations=args.activations, tokenizer=args.tokenizer,
-                 **prefill_options(args))
+                 **prefill_options(args), **rope_options(args))
     if model.ctx_size > model.cfg.max_position:  # as llama.cpp warns: it runs, quality may not hold
         print(f"expertcache: warning: -c {model.ctx_size} is beyond the {model.cfg.max_position} tokens the model "
               "was trained on; output past that length may degrade", file=sys.stderr, flush=True)

@@ -111,10 +111,11 @@ def _parse_modes(text: str) -> list[str]:
 def _load(args, cache):
     from ..engine import load
     from ..flags import prefill_options
+    from .args import rope_options
 
     return load(args.model, device=args.device, dtype=args.dtype, cache=cache, ctx_size=args.ctx_size,
                 threads=args.threads, kernels=args.kernels, activations=args.activations, tokenizer=args.tokenizer,
-                **prefill_options(args))
+                **prefill_options(args), **rope_options(args))
 
 
 def _tokenize(model, text: str, args) -> tuple[list[int], int | None]:

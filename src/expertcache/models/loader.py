@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..checkpoint.safetensors_io import DTYPE_CODES, Checkpoint, Segment, TensorInfo
 from ..checkpoint.storage import QuantTensor, RowParts
-from ..config import ModelConfig
+from ..config import ModelConfig, RopeOverride
 from ..errors import ExpertCacheError
 from ..memory import host_copy
 from ..tiers.layout import ExpertFormat, Weight
@@ -218,9 +218,20 @@ def _check_dtypes(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], layout
                                        "(every expert tensor in one dtype)")
 
 
-def open_model(path: str | Path) -> OpenedModel:
-    """Read and validate a checkpoint directory or a GGUF file; nothing is loaded into memory yet."""
-    path = Path(path)
+def open_model(path: str | Path, rope: RopeOverride | None = None) -> OpenedModel:
+    """Read and validate a checkpoint directory or a GGUF file; nothing is loaded into memory yet.
+    `rope`: a RoPE scaling over the checkpoint's own (`--rope-scaling`, ...)."""
+    m = _open_model(Path(path))
+    if rope is not None:
+        # Gemma 4's layers build their tables from their own keys: the config's RoPE is read by none.
+        if not any(mixer.rotary_dim is not None for mixer in m.arch.mixers(m.cfg)):
+            raise ExpertCacheError(f"{rope.given()}: RoPE scaling is not supported for {m.cfg.model_type}, whose "
+                                   "layers build their own RoPE tables")
+        m.cfg = replace(m.cfg, rope=rope.apply(m.cfg.rope, m.cfg.max_position))
+    return m
+
+
+def _open_model(path: Path) -> OpenedModel:
     from .gguf_loader import is_gguf, open_gguf  # it builds on this module
 
     if is_gguf(path):
