@@ -143,3 +143,13 @@ def test_pinned_ram_tier_is_not_rounded_to_a_power_of_two(env, expect):
     out = subprocess.run([sys.executable, "-c", PINNED_PROBE], capture_output=True, text=True,
                          env={**os.environ, "PYTORCH_ALLOC_CONF": env}, check=True).stdout
     assert out.strip() == expect
+
+
+def test_pinned_memory_on_a_torch_without_the_settings(monkeypatch):
+    """An older torch (pyproject allows 2.5) has neither the accelerator settings nor their pinned keys: the tier is
+    pinned as torch pins it, not refused."""
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings")
+    calls = []
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: calls.append(k) or torch.empty(0))
+    host_zeros((1024,), torch.uint8, pin=True)
+    assert calls and calls[0]["pin_memory"] is True

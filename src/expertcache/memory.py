@@ -68,11 +68,14 @@ EXACT_PINNED = "pinned_max_round_threshold_mb:1,pinned_max_cached_size_mb:1"
 
 
 def _exact_pinned_sizes() -> None:
-    current = torch._C._accelerator_getAllocatorSettings()
-    if "pinned_max_" in current:  # the user's PYTORCH_ALLOC_CONF chose: theirs stands
-        return
-    # Setting the string resets what it does not name, so the user's settings go in with ours.
-    torch._C._accelerator_setAllocatorSettings(",".join(filter(None, (current, EXACT_PINNED))))
+    try:
+        current = torch._C._accelerator_getAllocatorSettings()
+        if "pinned_max_" in current:  # the user's PYTORCH_ALLOC_CONF chose: theirs stands
+            return
+        # Setting the string resets what it does not name, so the user's settings go in with ours.
+        torch._C._accelerator_setAllocatorSettings(",".join(filter(None, (current, EXACT_PINNED))))
+    except (AttributeError, RuntimeError):
+        pass  # an older torch, without these settings or keys: its rounding, as before
 
 
 def page_aligned_empty(nbytes: int) -> torch.Tensor:
