@@ -180,7 +180,7 @@ class Scheduler:
         with self._lock:
             if self.stopping.is_set():
                 err: ExpertCacheError = ShuttingDown()
-            elif self._waiting() + (self.stats.processing > 0) > self.max_queue:
+            elif self._live_deferred() + self.stats.processing > self.max_queue:
                 self.stats.refused += 1
                 err = QueueFull(self.max_queue)
             else:
@@ -189,20 +189,19 @@ class Scheduler:
                 return
         job.on_done(None, err)
 
-    def _waiting(self) -> int:
-        """Jobs queued whose client still waits (with the lock held). Read from the queue, not
-        from `stats.deferred`: that still counts a job the worker has just taken."""
+    def _live_deferred(self) -> int:
+        """Jobs submitted and not yet running whose client still waits (with the lock held).
+        `stats.deferred` keeps a job the worker has taken from the queue until it counts it as
+        processing: read from the queue alone, that job counted nowhere, and one more was let wait.
+        A queued job whose client left waits for nobody: the worker drops it unrun."""
         with self._queue.mutex:
-            return sum(1 for job in self._queue.queue if job is not None and not job.cancelled.is_set())
+            left = sum(1 for job in self._queue.queue if job is not None and job.cancelled.is_set())
+        return self.stats.deferred - left
 
     def snapshot(self) -> Stats:
         with self._lock:
             s = Stats(**{k: getattr(self.stats, k) for k in Stats.__dataclass_fields__})
-            # A queued job whose client left waits for nobody: the worker drops it unrun when it
-            # gets there, and until then it is not counted as waiting.
-            with self._queue.mutex:
-                queued = list(self._queue.queue)
-            s.deferred -= sum(1 for job in queued if job is not None and job.cancelled.is_set())
+            s.deferred = self._live_deferred()
             return s
 
     def _run(self) -> None:
@@ -215,20 +214,23 @@ class Scheduler:
                 self.stats.processing += 1
             self._current = job
             try:
-                self._serve(job)
+                res, err = self._serve(job)
             finally:
                 self._current = None
                 with self._lock:
                     self.stats.processing -= 1
+            # Only now: a client that sends its next request as soon as it has its answer found
+            # this one still processing, and was refused at --max-queue (0: at once).
+            job.on_done(res, err)
 
-    def _serve(self, job: Job) -> None:
+    def _serve(self, job: Job) -> tuple[GenerationResult | None, BaseException | None]:
+        """Run `job`; what its `on_done` is to get."""
         stopping = self.stopping.is_set()  # stop() began as the worker took the job
         if job.cancelled.is_set() or stopping:  # the client left while the request was queued
             with self._lock:  # counted in `requests` too: aborted and failed are parts of it
                 self.stats.requests += 1
                 self.stats.aborted += 1
-            job.on_done(None, ShuttingDown() if stopping else None)
-            return
+            return None, ShuttingDown() if stopping else None
         use_cache = self.cache_prompt and job.cache_prompt
         slot = choose_slot(self.slots, job.ids, use_cache)
         self._tick += 1
@@ -256,11 +258,9 @@ class Scheduler:
             with self._lock:
                 self.stats.requests += 1
                 self.stats.errors += 1
-            job.on_done(None, e)
-            return
+            return None, e
         with self._lock:
             self.stats.record(res)
         if res.finish_reason == "abort" and self.stopping.is_set():
-            job.on_done(None, ShuttingDown())  # cut short by stop(), not by its client
-            return
-        job.on_done(res, None)
+            return None, ShuttingDown()  # cut short by stop(), not by its client
+        return res, None
