@@ -116,6 +116,20 @@ def test_tokenizer_json_pieces_match_the_same_models_gguf(model):
     assert [t["piece"] for t in got] == ["<|im_start|>", [0xE2], [0x82], [0xAC], " 0"]
 
 
+def test_tokenize_parse_special_false_reads_a_special_tokens_text_as_characters(model):
+    """llama-server's `parse_special` (default true): off, "<|im_start|>" is its characters'
+    tokens, as `encode(parse_special=False)` gives them, not the special token."""
+    special = model.tokenizer.encode("<|im_start|>", add_special_tokens=False)
+    plain = model.tokenizer.encode("<|im_start|>", add_special_tokens=False, parse_special=False)
+    assert len(special) == 1 and len(plain) > 1
+    with TestClient(create_app(model)) as c:
+        for body, want in (({}, special), ({"parse_special": True}, special), ({"parse_special": False}, plain)):
+            r = c.post("/tokenize", json={"content": "<|im_start|>", **body})
+            assert r.status_code == 200 and r.json()["tokens"] == want, (body, r.text)
+        r = c.post("/tokenize", json={"content": "x", "parse_special": "no"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "parse_special"
+
+
 # ---- streaming runs of invalid bytes ----
 def _tokenizers():
     out = {name: _gguf(f"tokenizers/{name}.gguf")[0] for name in ("spm-tiny", "gemma4-tiny", "bpe-tiny")}

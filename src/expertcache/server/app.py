@@ -228,9 +228,11 @@ def create_app(model: Model, *, model_id: str | None = None, n_slots: int = 1, c
             raise P.ApiError(f"'content' must be a string, got {P._type_name(content)}", param="content")
         add_special = P.get_bool(body, "add_special", False)
         with_pieces = P.get_bool(body, "with_pieces", False)
+        # llama-server's: off, text that spells a special token is tokenized as plain characters.
+        parse_special = P.get_bool(body, "parse_special", True)
 
         def run():
-            ids = model.tokenizer.encode(content, add_special_tokens=add_special)
+            ids = model.tokenizer.encode(content, add_special_tokens=add_special, parse_special=parse_special)
             if with_pieces:
                 # llama-server's pieces: each token's own bytes (decoding it alone drops a word's leading
                 # space and turns a byte into U+FFFD), as text or, where not UTF-8, as byte values.
