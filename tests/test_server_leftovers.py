@@ -310,3 +310,15 @@ def test_serve_takes_max_queue(ckpt, capsys, monkeypatch):
     assert code == 2 and "stopped by the test" in err
     assert seen["max_queue"] == 3
     assert isinstance(socks[0], socket.socket)
+
+
+def test_serve_frees_its_port_when_the_model_fails_to_load(capsys, monkeypatch, tmp_path):
+    """The port is taken before the load (a busy one fails fast); a load that fails gives it back."""
+    from expertcache.commands import serve
+
+    socks = []
+    real_listen = serve._listen
+    monkeypatch.setattr(serve, "_listen", lambda host, port: socks.append(real_listen(host, port)) or socks[-1])
+    code, err = run_cli(capsys, "serve", "-m", str(tmp_path / "nope"), "--port", "0")
+    assert_one_line_error(code, err, "nope")
+    assert len(socks) == 1 and socks[0].fileno() == -1

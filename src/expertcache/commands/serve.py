@@ -51,10 +51,14 @@ def cmd_serve(args) -> int:
     warning = open_listener_warning(host, api_key is not None)
     if warning:
         print(f"expertcache: warning: {warning}", file=sys.stderr, flush=True)
-    model = load_model(args)
-    app = create_app(model, model_id=args.alias, n_slots=args.parallel, cache_prompt=not args.no_cache_prompt,
-                     ubatch=args.ubatch, api_key=api_key, max_body_bytes=args.max_body_bytes,
-                     cors_origins=args.cors_origins, max_queue=args.max_queue)
+    try:
+        model = load_model(args)
+        app = create_app(model, model_id=args.alias, n_slots=args.parallel, cache_prompt=not args.no_cache_prompt,
+                         ubatch=args.ubatch, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                         cors_origins=args.cors_origins, max_queue=args.max_queue)
+    except BaseException:
+        sock.close()  # the port is free again for a caller that goes on (cli.main in-process, tests)
+        raise
     print(f"expertcache: serving '{app.state.model_id}' on http://{host}:{port} "
           f"({args.parallel} slot(s) of {model.ctx_size} tokens, prompt cache "
           f"{'off' if args.no_cache_prompt else 'on'}, cache mode {model.telemetry().get('mode')}, "
