@@ -121,6 +121,9 @@ def test_none_turns_a_files_yarn_off(models, fmt):
     assert open_model(yarn).cfg.rope.type == "yarn"
     got = expertcache.load(yarn, dtype="float32", ctx_size=512, rope_scaling={"rope_type": "none"}).logits(PROMPT)
     assert torch.equal(got, expertcache.load(plain, dtype="float32", ctx_size=512).logits(PROMPT))
+    # transformers' name for no scaling is "default"
+    again = expertcache.load(yarn, dtype="float32", ctx_size=512, rope_scaling={"rope_type": "default"})
+    assert torch.equal(again.logits(PROMPT), got)
 
 
 @pytest.mark.parametrize("name", ["yarn", "yarn.gguf"])
@@ -237,6 +240,11 @@ def test_gemma4_refuses_rope_scaling_in_load(models):
         expertcache.load(GEMMA4, rope_scaling={"rope_type": "yarn", "factor": 4})
     assert str(e.value) == ("rope_scaling {'rope_type': 'yarn', 'factor': 4.0}: RoPE scaling is not supported for "
                             "gemma4, whose layers build their own RoPE tables")
+
+
+def test_gemma4_takes_a_rope_scaling_that_asks_nothing(models):
+    # Every value the model's own: nothing to scale, so nothing to refuse.
+    assert expertcache.load(GEMMA4, rope_scaling={}).cfg.model_type == "gemma4"
 
 
 def test_a_reload_keeps_the_scaling(models):

@@ -228,6 +228,8 @@ class RopeOverride:
             raise ExpertCacheError(f"rope_scaling rope_type {value['rope_type']!r} and type {value['type']!r} "
                                    "disagree: give one of them")
         kind = value.get("rope_type", value.get("type"))
+        if kind == "default":  # transformers' name for no scaling
+            kind = "none"
         original = value.get("original_max_position_embeddings")
         return cls(kind, value.get("factor"), 0 if original is None else original)
 
@@ -241,10 +243,15 @@ class RopeOverride:
         return " ".join(f"{n} {v:g}" if isinstance(v, float) else f"{n} {v}"
                         for n, v in zip(self.names, values) if v is not None)
 
+    @property
+    def empty(self) -> bool:
+        """Whether it asks for nothing (each value the model's own)."""
+        return self.type is None and self.factor is None and not self.original_max_position
+
     def apply(self, rope: RopeConfig, max_position: int) -> RopeConfig:
         """The RoPE of a model whose own is `rope` (trained on `max_position` tokens) with this
         override. Where it would scale by nothing, a one-line error says what is missing."""
-        if self.type is None and self.factor is None and not self.original_max_position:
+        if self.empty:
             return rope
         kind_name, scale, orig = self.names
         kind = self.type or ("linear" if rope.type == "default" else rope.type)

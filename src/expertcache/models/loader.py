@@ -222,7 +222,7 @@ def open_model(path: str | Path, rope: RopeOverride | None = None) -> OpenedMode
     """Read and validate a checkpoint directory or a GGUF file; nothing is loaded into memory yet.
     `rope`: a RoPE scaling over the checkpoint's own (`--rope-scaling`, ...)."""
     m = _open_model(Path(path))
-    if rope is not None:
+    if rope is not None and not rope.empty:
         # Gemma 4's layers build their tables from their own keys: the config's RoPE is read by none.
         if not any(mixer.rotary_dim is not None for mixer in m.arch.mixers(m.cfg)):
             raise ExpertCacheError(f"{rope.given()}: RoPE scaling is not supported for {m.cfg.model_type}, whose "
