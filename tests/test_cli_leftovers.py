@@ -76,7 +76,7 @@ def test_perplexity_compare_json_is_json_where_a_value_is_not_finite(tiny_checkp
 
 
 def test_json_line_writes_null_for_values_that_are_not_finite():
-    from expertcache.commands.common import json_line
+    from expertcache.flags import json_line
 
     obj = {"a": [1.5, math.inf, -math.inf, math.nan], "b": {"c": (2, math.nan)}, "d": "inf", "e": None, "f": 0}
     assert strict_json(json_line(obj)) == {"a": [1.5, None, None, None], "b": {"c": [2, None]}, "d": "inf",

@@ -7,6 +7,7 @@ Both `commands/` and `bench/` import this; it imports only the library below the
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 
@@ -196,3 +197,20 @@ def add_prefetch_width_flag(p) -> None:
                    help="of those, predict only the experts the predictor gives a probability of at least P "
                         "(default: 0, all; meant for a predictor fitted with --objective used, whose "
                         "probabilities are calibrated)")
+
+
+def json_line(obj) -> str:
+    """`obj` as one line of JSON. A float that is not finite (a perplexity past a double, a NaN
+    from a broken checkpoint) is null: Python's json writes Infinity and NaN, which are not JSON
+    (RFC 8259) and which jq and JavaScript's JSON.parse refuse, the whole line with them."""
+    return json.dumps(_finite(obj), allow_nan=False)
+
+
+def _finite(x):
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x

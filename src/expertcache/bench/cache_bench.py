@@ -408,10 +408,11 @@ def cmd_bench_cache(args) -> int:
     if args.plot:
         save_png(figure(rows, args.model, args.threads), args.plot)
         print(f"wrote {args.plot}")
-    print(json.dumps({"bench": "cache", "model": str(args.model), "device": args.device, "threads": args.threads,
-                      "kernels": args.kernels,
-                      "prefill_tokens": args.prefill, "decode_tokens": args.decode, "results": rows,
-                      "failed": failed, "prefetch_bounds": bounds}))
+    from ..flags import json_line
+    print(json_line({"bench": "cache", "model": str(args.model), "device": args.device, "threads": args.threads,
+                     "kernels": args.kernels,
+                     "prefill_tokens": args.prefill, "decode_tokens": args.decode, "results": rows,
+                     "failed": failed, "prefetch_bounds": bounds}))
     return 1 if failed else 0
 
 

@@ -412,6 +412,8 @@ def deltas(results: list[dict]) -> list[dict]:
 
 # ---- command ----
 def cmd_bench_serve(args) -> int:
+    from ..flags import json_line
+
     if (args.url is None) == (args.model is None):
         raise ExpertCacheError("give exactly one of --url URL (a running server) or --model DIR (with --compare)")
     if args.duration <= 0 or args.warmup < 0 or args.timeout <= 0:
@@ -422,7 +424,7 @@ def cmd_bench_serve(args) -> int:
     if args.url is not None:
         res = run_suite(args, args.url)
         print_result(res)
-        print(json.dumps(res))
+        print(json_line(res))
         return 0
     measured = run_compare(args)
     failed = [r for r in measured if "error" in r]
@@ -433,8 +435,8 @@ def cmd_bench_serve(args) -> int:
     if len(results) > 1:
         print(f"deltas ({results[0]['mode']} is the control)")
         print_table(rows)
-    print(json.dumps({"suite": args.suite, "text": results[0]["text"], "modes": {r["mode"]: r for r in results},
-                      "failed": failed, "deltas": rows}))
+    print(json_line({"suite": args.suite, "text": results[0]["text"], "modes": {r["mode"]: r for r in results},
+                     "failed": failed, "deltas": rows}))
     return 1 if failed else 0
 
 

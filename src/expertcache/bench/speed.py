@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 
 import gc
-import json
 import multiprocessing
 import os
 import statistics
@@ -627,7 +626,8 @@ def cmd_bench_speed(args) -> int:
         llama_class()
     out = run(args)
     print(table(out))
-    print(json.dumps(out))
+    from ..flags import json_line
+    print(json_line(out))
     return 0
 
 

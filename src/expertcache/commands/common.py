@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import math
 import os
 import re
 import sys
@@ -88,23 +86,6 @@ class PrefillBar:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-
-
-def json_line(obj) -> str:
-    """`obj` as one line of JSON. A float that is not finite (a perplexity past a double, a NaN
-    from a broken checkpoint) is null: Python's json writes Infinity and NaN, which are not JSON
-    (RFC 8259) and which jq and JavaScript's JSON.parse refuse, the whole line with them."""
-    return json.dumps(_finite(obj), allow_nan=False)
-
-
-def _finite(x):
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
 
 
 def read_text_file(path: str) -> str:

@@ -9,9 +9,9 @@ import sys
 from ..config import CACHE_MODES
 from ..errors import ExpertCacheError
 from ..perplexity import PerplexityResult, exp_nll, first_difference, num_chunks, perplexity, perplexity_bos_id
-from ..flags import add_cache_flags, cache_config, positive_int
+from ..flags import add_cache_flags, cache_config, json_line, positive_int
 from ..telemetry import peak_rss_bytes
-from .common import add_model_flags, json_line, read_text_file
+from .common import add_model_flags, read_text_file
 
 
 def cmd_perplexity(args) -> int:

@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import ExpertCacheError
-from ..flags import add_cache_flags, nonneg_int
+from ..flags import add_cache_flags, json_line, nonneg_int
 from ..telemetry import peak_rss_bytes
-from .common import (PrefillBar, add_model_flags, add_sampling_flags, json_line, load_model, read_text_file,
+from .common import (PrefillBar, add_model_flags, add_sampling_flags, load_model, read_text_file,
                      sampling_options)
 
 

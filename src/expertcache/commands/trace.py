@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 from ..errors import ExpertCacheError
-from ..flags import add_cache_flags, add_prefetch_width_flag, nonneg_int, positive_int
+from ..flags import add_cache_flags, add_prefetch_width_flag, json_line, nonneg_int, positive_int
 from .args import finite_float, seed
 from ..checkpoint.writer import atomic_file, check_output_file
 from ..plots import check_png_path, pyplot, save_png
-from .common import (PrefillBar, add_model_flags, add_sampling_flags, json_line, load_model,
+from .common import (PrefillBar, add_model_flags, add_sampling_flags, load_model,
                      read_text_file, sampling_options, writing)
 
 DEFAULT_CAPACITIES = "10%,25%,50%,75%"
