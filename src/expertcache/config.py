@@ -52,6 +52,8 @@ class RopeConfig:
     theta: float = 10000.0
     type: str = "default"  # default | linear | yarn
     factor: float = 1.0
+    # YaRN's context before scaling; a GGUF's rope.scaling.original_context_length whatever the
+    # type, as llama.cpp reads it (n_ctx_orig_yarn: what `--yarn-orig-ctx 0` falls back to)
     original_max_position: int | None = None
     beta_fast: float = 32.0
     beta_slow: float = 1.0
@@ -59,6 +61,10 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    # The scaling type a GGUF names where it scales by nothing (`none`, or YaRN at factor 1):
+    # llama.cpp keeps it as the model's (rope_scaling_type_train) for flags that name no type,
+    # so `--rope-scale` alone must not scale such a file linearly (`RopeOverride.apply`).
+    train_type: str | None = None
 
     def __post_init__(self) -> None:
         # What `inv_freq` takes the logarithm of or divides by: a zero or negative value there was a
@@ -254,8 +260,14 @@ class RopeOverride:
         if self.empty:
             return rope
         kind_name, scale, orig = self.names
-        kind = self.type or ("linear" if rope.type == "default" else rope.type)
+        trained = rope.train_type or rope.type
+        kind = self.type or ("linear" if trained == "default" else trained)
         if kind == "none":
+            if self.type is None:  # the model's none: llama.cpp drops the factor and the context
+                given, add = ((f"{scale} {self.factor:g}", "linear or yarn") if self.factor is not None
+                              else (f"{orig} {self.original_max_position}", "yarn"))
+                raise ExpertCacheError(f"{given}: the model's RoPE scaling type is none, which never scales "
+                                       f"(add {kind_name} {add})")
             return RopeConfig(theta=rope.theta)
         factor = self.factor if self.factor is not None else rope.factor
         if kind == "yarn":

@@ -277,22 +277,26 @@ def _rope_from_gguf(a: str, get, theta: float, shared_rotary: bool) -> RopeConfi
             if v is not None and (isinstance(v, bool) or v not in fixed):
                 raise ExpertCacheError(f"{a}.{k} {v!r} is not supported: expected {fixed[0]} (llama.cpp computes "
                                        f"{a} with {fixed[0]} whatever the file says)")
+    # llama.cpp reads the original context whatever the type: a YaRN asked for at load time
+    # (`--rope-scaling yarn`) starts from it.
+    original = get("rope.scaling.original_context_length", 0)
+    if isinstance(original, bool) or not isinstance(original, int) or original < 0:
+        raise ExpertCacheError(f"{a}.rope.scaling.original_context_length {original!r}: expected an integer "
+                               ">= 0 (the context before YaRN; 0: the context length)")
     if kind == "none" or (kind in (None, "linear", "yarn") and factor in (0, 1)):
-        # YaRN at factor 1 interpolates nothing and scales by 1: plain RoPE, as in llama.cpp.
-        return RopeConfig(theta=theta)
+        # YaRN at factor 1 interpolates nothing and scales by 1: plain RoPE, as in llama.cpp,
+        # which still counts the type as the model's (a `--rope-scale` alone keeps it).
+        return RopeConfig(theta=theta, original_max_position=original or None,
+                          train_type=kind if kind in ("none", "yarn") else None)
     if not shared_rotary:
         raise ExpertCacheError(f"{a}.{key} {factor!r}: {kind or 'linear'} RoPE scaling is not supported for {a}")
     if kind == "yarn":
-        original = get("rope.scaling.original_context_length", 0)
-        if isinstance(original, bool) or not isinstance(original, int) or original < 0:
-            raise ExpertCacheError(f"{a}.rope.scaling.original_context_length {original!r}: expected an integer "
-                                   ">= 0 (the context before YaRN; 0: the context length)")
         if not original:
             original = get("context_length")
             if original is None:
                 raise KeyError(f"{a}.context_length")
         return RopeConfig(theta=theta, type="yarn", factor=float(factor), original_max_position=original)
-    return RopeConfig(theta=theta, type="linear", factor=float(factor))
+    return RopeConfig(theta=theta, type="linear", factor=float(factor), original_max_position=original or None)
 
 
 def _shared_width(arch: type[Architecture], gg: GGUFCheckpoint, layers: int, width) -> int:
