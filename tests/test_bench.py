@@ -87,6 +87,26 @@ def test_bench_cache_auto_prefetches_as_the_runtime_would_with_the_traces_predic
     fitted = predictor != "router"
     assert got["prefetch"] is fitted
     assert (got["decode"]["prefetch_issued"] > 0) is fitted
+    assert got["decode"]["probe_gb_s"] > 0  # the disk probed after the decode (`read_rate`)
+
+
+def test_read_rate_reads_experts_as_a_demand_copy_does(monkeypatch):
+    """`read_rate`: n experts through the store's copy_run, spread over layers and experts, into
+    one slot's worth of host memory; their bytes over the time."""
+    from types import SimpleNamespace
+
+    from expertcache.bench import cache_bench
+
+    reads = []
+    store = SimpleNamespace(copy_run=lambda layer, expert, dst: reads.append((layer, expert, tuple(dst.shape))))
+    cache = SimpleNamespace(store=store, moe_layers=[1, 3], num_experts=16, slot_bytes=4096,
+                            expert_bytes={1: 1000, 3: 3000})
+    clock = iter([10.0, 10.5])
+    monkeypatch.setattr(cache_bench.time, "perf_counter", lambda: next(clock))
+    rate = cache_bench.read_rate(cache, n=8)
+    assert reads == [(1, 0, (1, 4096)), (3, 7, (1, 4096)), (1, 14, (1, 4096)), (3, 5, (1, 4096)),
+                     (1, 12, (1, 4096)), (3, 3, (1, 4096)), (1, 10, (1, 4096)), (3, 1, (1, 4096))]
+    assert rate == pytest.approx(4 * (1000 + 3000) / 0.5)
 
 
 def test_bench_cache_prints_table_and_json(synth_model, capsys, tmp_path):
@@ -171,6 +191,16 @@ def test_overlap_bound_by_hand():
     # Against the 20 ms of reads without prefetch: 40 / 20, which the on run's extra 10 MB do not lower.
     assert b["x_bound_needed"] == pytest.approx(2.0) and b["reads_needed_s"] == pytest.approx(0.02)
     assert "2.00x with the reads without prefetch (20.0 ms)" in bounds_text([b])
+    assert b["off_copies_gb_s"] == pytest.approx(2.0) and b["x_bound_off_copies"] == pytest.approx(1.6)
+    # With the disk probed after prefetch on's decode (2.5 GB/s: 50 MB in 20 ms), the bound is
+    # taken at that rate; prefetch off's copies stay beside it.
+    rows[3]["decode"]["probe_gb_s"] = 2.5
+    (b,) = overlap_bounds(rows)
+    assert b["read_gb_s"] == pytest.approx(2.5) and b["reads_s"] == pytest.approx(0.02)
+    assert (b["x_bound"], b["x_bound_needed"]) == pytest.approx((2.0, 2.0))  # 40 / max(20, 20), 40 / max(20, 16)
+    assert b["x_bound_off_copies"] == pytest.approx(1.6)
+    assert "reads 20.0 ms at 2.50 GB/s" in bounds_text([b]) and "1.60x at the rate of prefetch off's copies" \
+        in bounds_text([b])
     # Without the pair, or on a GPU (whose copy time is the time to issue them): nothing.
     assert overlap_bounds(rows[:3]) == []
     assert overlap_bounds([row("resident", 50, device="cuda")] + rows[1:]) == []
