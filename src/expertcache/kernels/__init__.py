@@ -256,6 +256,13 @@ def select(kernels: str, device: torch.device, dtype: torch.dtype, quantized: bo
 _REDUCED = (torch.bfloat16, torch.float16)
 _DECODED = (torch.float32, torch.bfloat16)  # the dtypes the native decoder writes
 
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """x rounded to `dtype` (to nearest even, as ggml's fp32 -> fp16/bf16) in x's dtype; x itself
+    for None."""
+    return x if dtype is None else x.to(dtype).to(x.dtype)
+
+
 # The gated MLP's activation by `hidden_act`: SwiGLU (silu) or GeGLU (Gemma's tanh-approximated
 # gelu). The native expert calls take the same names and compute either in fp32 as torch does.
 ACTIVATIONS = {
@@ -541,7 +548,9 @@ class Kernels:
     def expert(self, x: torch.Tensor, w, act: str = "silu") -> torch.Tensor:
         """One routed expert (`tiers.layout.ExpertWeights`) on x [T, D] -> [T, D]. Quantized
         matrices are dequantized exactly (to fp32, then the compute dtype) before the product."""
-        if isinstance(w.gate_up, torch.Tensor) and isinstance(w.down, torch.Tensor):
+        # A float expert, unless q8 rounds its input to the file's fp16/bf16 (`_expert_act8`).
+        if (isinstance(w.gate_up, torch.Tensor) and isinstance(w.down, torch.Tensor)
+                and (w.inputs is None or not self.act8)):
             return self.swiglu(x, w.gate_up, w.down, act)
         if x.shape[0] <= self.act8_rows:
             return self._expert_act8(x, w, act)
@@ -557,19 +566,26 @@ class Kernels:
     def _expert_act8(self, x: torch.Tensor, w, act: str) -> torch.Tensor:
         """A quantized expert with its activations rounded to 8 bits (llama.cpp's numerics) on any
         number of rows: the integer kernels of the native one-row call, row by row, the
-        intermediate in fp32, so each row is what that call gives it."""
+        intermediate in fp32, so each row is what that call gives it. A float expert the file
+        stores as fp16 or bf16, held widened to fp32 (`tiers.layout.ExpertWeights.inputs`), takes
+        the same path: each product's input rounded to its matrix's file type, then multiplied
+        in fp32 as ggml multiplies F16 and BF16 weights (their `vec_dot_type`), by the kernels
+        that multiply such a matrix within a quantized expert."""
         def product(v: torch.Tensor, m) -> torch.Tensor:  # [T, N] fp32; tiles held in the slot give the same bits
+            if isinstance(m, torch.Tensor):  # a float expert's fp32 matrix, as rows of ggml's F32
+                return self.quant.gemm_act8(m.view(torch.uint8), int(Q.F32), v)
             if m.tiled:
                 return self.quant.gemm_tiles(m.raw, int(m.qtype), v)
             return self.quant.gemm_act8(m.raw, int(m.qtype), v)
 
-        if isinstance(w.gate_up, QuantTensor):  # one call: the rows rounded once, each output the same
+        g, u, d = w.inputs or (None, None, None)  # float matrices of the file's fp16/bf16 (`_rounded`)
+        if w.gate_up is not None:  # one call: the rows rounded once, each output the same
             I = w.gate.shape[0]
-            gu = product(x, w.gate_up)                                # [T, 2I] fp32
+            gu = product(_rounded(x, g), w.gate_up)                   # [T, 2I] fp32
             h = self.activation(act)(gu[:, :I]) * gu[:, I:]           # [T, I] fp32
         else:
-            h = self.activation(act)(product(x, w.gate)) * product(x, w.up)  # [T, I] fp32
-        return product(h, w.down).to(x.dtype)                        # [T, D]
+            h = self.activation(act)(product(_rounded(x, g), w.gate)) * product(_rounded(x, u), w.up)  # [T, I] fp32
+        return product(_rounded(h, d), w.down).to(x.dtype)           # [T, D]
 
     def dense(self, w, dtype: torch.dtype) -> torch.Tensor:
         """A weight as a float matrix in `dtype`: itself, or its blocks dequantized (exactly, in

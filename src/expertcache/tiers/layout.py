@@ -13,6 +13,11 @@ as ggml rows (`QuantTensor`), the float ones as rows of ggml's F32, F16 or BF16 
 the kernels over blocks, which multiply those types too, take the whole expert in their one path.
 The views are made once per slot, so this costs nothing per token.
 
+A float matrix the file stores as fp16 or bf16 and a float32 slot holds widened (exactly) keeps
+that type (`MatrixFormat.file_dtype`, `ExpertWeights.inputs`): llama.cpp's numerics round a
+product's input to it before multiplying (ggml's `vec_dot_type` for F16 and BF16), which the
+kernels do under `--activations q8`; exact products ignore it.
+
 A quantized matrix may be held as the kernels' tiles of eight rows instead of the file's rows
 (`MatrixFormat.tiled`, chosen by a `Tiler`): the same bytes per matrix, interleaved when the
 store fills its slots (`store.tile_in_place`), so that every product reads them as they lie.
@@ -32,6 +37,8 @@ import torch
 from ..checkpoint.storage import GGML_DTYPES, QuantTensor, RowParts, Storage, is_quantized, nbytes, storage_name
 
 SLOT_ALIGN_BYTES = 256
+# The file's float types whose products llama.cpp takes with the input rounded to them.
+ROUNDED_FLOATS = (torch.float16, torch.bfloat16)
 # A float matrix's ggml type, where it is viewed as ggml rows (beside quantized matrices).
 GGML_FLOAT_TYPES = {dtype: qtype for qtype, dtype in GGML_DTYPES.items()}
 
@@ -60,6 +67,9 @@ class MatrixFormat:
     shape: tuple[int, int]  # [rows, cols]
     offset: int             # bytes from the start of the expert
     tiled: bool = False     # held as the kernels' tiles of eight rows (the same bytes, interleaved)
+    # The file's fp16/bf16 where the slot holds the matrix widened to float32 (see the module's
+    # docstring); None where the slot holds the file's type, or the file's is float32.
+    file_dtype: torch.dtype | None = None
 
     @property
     def nbytes(self) -> int:
@@ -94,9 +104,14 @@ class ExpertFormat:
         return any(is_quantized(m.storage) for m in self.matrices)
 
     def with_dtype(self, dtype: torch.dtype) -> ExpertFormat:
-        """The same expert with its float matrices in `dtype` (quantized ones stay as they are)."""
-        return ExpertFormat.of([(m.name, m.storage if is_quantized(m.storage) else dtype, m.shape)
-                                for m in self.matrices])
+        """The same expert with its float matrices in `dtype` (quantized ones stay as they are);
+        fp16 and bf16 ones widened to float32 remember the file's type (`file_dtype`)."""
+        fmt = ExpertFormat.of([(m.name, m.storage if is_quantized(m.storage) else dtype, m.shape)
+                               for m in self.matrices])
+        if dtype != torch.float32:  # only a widening keeps the file's values, which the rounding needs
+            return fmt
+        return ExpertFormat(tuple(replace(m, file_dtype=f.storage) if f.storage in ROUNDED_FLOATS else m
+                                  for m, f in zip(fmt.matrices, self.matrices)))
 
     def with_tiles(self, tiler: Tiler) -> ExpertFormat:
         """The same expert with the matrices `tiler` holds as tiles marked so (same offsets)."""
@@ -130,6 +145,9 @@ class ExpertWeights:
     up: Weight       # [I, D]
     down: Weight     # [D, I]
     gate_up: Weight | None = None
+    # The dtypes gate's, up's and down's products round their input to under llama.cpp's numerics
+    # (`MatrixFormat.file_dtype`), or None where no matrix asks for it: the exact path's one test.
+    inputs: tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None] | None = None
 
 
 def _view(row: torch.Tensor, m: MatrixFormat, rows: bool) -> Weight:
@@ -147,18 +165,28 @@ def expert_weights(row: torch.Tensor, fmt: ExpertFormat) -> ExpertWeights:
     """Typed views (no copy) of the expert whose bytes start `row` (uint8); in a quantized expert
     every matrix is ggml rows, its float ones too (see the module's docstring)."""
     rows = fmt.quantized
-    down = _view(row, fmt.matrix("down"), rows)
+    d = fmt.matrix("down")
+    down = _view(row, d, rows)
     fused = fmt.matrix("gate_up")
     if fused is not None:
         gu = _view(row, fused, rows)
         half = fused.shape[0] // 2
+        inputs = _inputs(fused, fused, d)
         if isinstance(gu, QuantTensor):
-            return ExpertWeights(gu.rows(0, half), gu.rows(half, 2 * half), down, gu)
-        return ExpertWeights(gu[:half], gu[half:], down, gu)
+            return ExpertWeights(gu.rows(0, half), gu.rows(half, 2 * half), down, gu, inputs)
+        return ExpertWeights(gu[:half], gu[half:], down, gu, inputs)
     g, u = fmt.matrix("gate"), fmt.matrix("up")
     gate, up = _view(row, g, rows), _view(row, u, rows)
     gate_up = None
-    if g.storage == u.storage and g.shape == u.shape and g.tiled == u.tiled and u.offset == g.offset + g.nbytes:
+    # Joined only where one product serves both: the same input rounding too.
+    if (g.storage == u.storage and g.shape == u.shape and g.tiled == u.tiled and g.file_dtype == u.file_dtype
+            and u.offset == g.offset + g.nbytes):
         # Tiles of eight rows: gate's followed by up's are the tiles of the two joined.
         gate_up = _view(row, MatrixFormat("gate_up", g.storage, (2 * g.shape[0], g.shape[1]), g.offset, g.tiled), rows)
-    return ExpertWeights(gate, up, down, gate_up)
+    return ExpertWeights(gate, up, down, gate_up, _inputs(g, u, d))
+
+
+def _inputs(gate: MatrixFormat, up: MatrixFormat, down: MatrixFormat) -> tuple | None:
+    """`ExpertWeights.inputs` of these matrices."""
+    dtypes = (gate.file_dtype, up.file_dtype, down.file_dtype)
+    return None if dtypes == (None, None, None) else dtypes
