@@ -92,20 +92,24 @@ def test_bench_cache_auto_prefetches_as_the_runtime_would_with_the_traces_predic
 
 def test_read_rate_reads_experts_as_a_demand_copy_does(monkeypatch):
     """`read_rate`: n experts through the store's copy_run, spread over layers and experts, into
-    one slot's worth of host memory; their bytes over the time."""
+    the cache's own slots in turn (emptied first: their bytes are overwritten); their bytes over
+    the time."""
     from types import SimpleNamespace
 
     from expertcache.bench import cache_bench
 
-    reads = []
-    store = SimpleNamespace(copy_run=lambda layer, expert, dst: reads.append((layer, expert, tuple(dst.shape))))
-    cache = SimpleNamespace(store=store, moe_layers=[1, 3], num_experts=16, slot_bytes=4096,
-                            expert_bytes={1: 1000, 3: 3000})
+    events = []
+    pool = torch.zeros(3, 4096, dtype=torch.uint8)
+    store = SimpleNamespace(copy_run=lambda layer, expert, dst: events.append(
+        (layer, expert, (dst.data_ptr() - pool.data_ptr()) // 4096, tuple(dst.shape))))
+    cache = SimpleNamespace(store=store, moe_layers=[1, 3], num_experts=16, capacity=3, pool=pool,
+                            expert_bytes={1: 1000, 3: 3000}, clear=lambda: events.append("clear"))
     clock = iter([10.0, 10.5])
     monkeypatch.setattr(cache_bench.time, "perf_counter", lambda: next(clock))
     rate = cache_bench.read_rate(cache, n=8)
-    assert reads == [(1, 0, (1, 4096)), (3, 7, (1, 4096)), (1, 14, (1, 4096)), (3, 5, (1, 4096)),
-                     (1, 12, (1, 4096)), (3, 3, (1, 4096)), (1, 10, (1, 4096)), (3, 1, (1, 4096))]
+    assert events == ["clear", (1, 0, 0, (1, 4096)), (3, 7, 1, (1, 4096)), (1, 14, 2, (1, 4096)),
+                      (3, 5, 0, (1, 4096)), (1, 12, 1, (1, 4096)), (3, 3, 2, (1, 4096)), (1, 10, 0, (1, 4096)),
+                      (3, 1, 1, (1, 4096))]
     assert rate == pytest.approx(4 * (1000 + 3000) / 0.5)
 
 
