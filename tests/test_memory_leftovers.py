@@ -93,6 +93,33 @@ def test_keys_and_values_grow_by_a_quarter_after_a_prompt_and_give_the_same_bits
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma4"])
+def test_a_prompt_in_several_stretches_reserves_its_keys_and_values_once(wide, family):
+    """A prompt of four stretches takes its whole length of keys and values before the first
+    stretch runs, and no stretch copies them into a larger buffer (grown stretch by stretch, each
+    stretch copied every earlier position); the logits are bitwise those of the same prefill with
+    the buffers grown as it goes (a session that reserved its context up front does not grow)."""
+    model = expertcache.load(wide[family], dtype="bfloat16", ctx_size=1024, prefill_stretch=128)
+    ids = ids_of(512, seed=4, vocab=VOCAB)
+    outs = []
+    for up_front in (False, True):
+        s = model.new_session()
+        if up_front:
+            s.kv.reserve(model.ctx_size)
+        grown = []
+        reserve = s.kv.reserve
+
+        def counting(n, kv=s.kv, reserve=reserve, grown=grown):
+            if n > kv.capacity:
+                grown.append((kv.length, n))
+            reserve(n)
+        s.kv.reserve = counting
+        outs.append(model.prefill(s, ids, ubatch=64, all_logits=True))
+        assert model.last_prefill.stretches == 4
+        assert grown == ([] if up_front else [(0, 512)]), grown
+    assert torch.equal(outs[0], outs[1])
+
+
 def _forward_peak(model, ids: list[int], ubatch: int) -> int:
     """Peak bytes that a prefill's forwards allocate, with all logits, outside the mixers (as
     `test_stretch_audit.stretch_peak` counts them), plus the MoE workspace: the stretches'

@@ -299,6 +299,10 @@ class Model:
             raise ExpertCacheError("the session was computed with weights that have since changed; "
                                    "start a new session")
         step = self.stretch
+        # The whole prompt's keys and values at once: grown stretch by stretch, a long prompt's
+        # cache was copied into a larger buffer at nearly every stretch (7 times for 32k tokens in
+        # stretches of 4096), and a context that cannot fit fails here, before any work.
+        session.kv.reserve(session.kv.length + len(token_ids))
         outs = []
         done = 0
         before = self._read_bytes()
