@@ -363,27 +363,53 @@ def _unicode_problem(text: str) -> str | None:
     return None
 
 
+def _stand_in(tokenizer: Tokenizer) -> list[int]:
+    """Ids of a short ASCII text that decode to just that text and end in a token no byte token
+    continues (not a byte token itself, nor special, which decoding drops); [] where none does."""
+    for text in (".", "x", "a"):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        last = tokenizer.tok.id_to_token(ids[-1]) if ids else None
+        if (last is not None and _BYTE_TOKEN.fullmatch(last) is None
+                and not set(ids) & tokenizer.special_ids and tokenizer.decode(ids) == text):
+            return ids
+    return []
+
+
 class StreamDecoder:
     """Turns generated token ids into text pieces, holding back incomplete UTF-8 sequences.
 
     The pieces are the text the ids add after `context` (the prompt's ids): a SentencePiece
     word keeps its leading space where it continues a prompt, as llama.cpp's pieces and
     transformers' decode of prompt and continuation together have it (decoding the new ids alone
-    strips it). Each step decodes only a short window (the tokens since the last emitted piece,
-    plus the ones before them for context such as a leading space), so streaming costs the same
-    per token however long the generation gets.
+    strips it). After a prompt that ends in bytes that are no whole character, the ids' bytes start
+    afresh, as llama.cpp's pieces do, and never change the prompt's text. Each step decodes only a
+    short window (the tokens since the last emitted piece, plus the ones before them for context
+    such as a leading space), so streaming costs the same per token however long the generation gets.
     """
 
     CONTEXT = 4  # prompt ids kept as context
 
     def __init__(self, tokenizer: Tokenizer, context: list[int] | tuple[int, ...] = ()):
+        # Decoding drops special ids and ids past the vocabulary: the text the completion continues
+        # ends before any at the end of the prompt (a window of them alone read as no text at all).
+        # A value that is no id stays, for decode to name.
+        end = len(context)
+        while end and _is_id(i := context[end - 1]) and (
+                i in tokenizer.special_ids or tokenizer.tok.id_to_token(i) is None):
+            end -= 1
+        tail = list(context[max(0, end - self.CONTEXT):end])
         # The longest tail of the prompt that decodes to whole characters: one that ends inside a
         # character, or starts inside one where byte tokens decode as a run, would blur the first piece.
-        ids = []
-        for n in range(min(self.CONTEXT, len(context)), 0, -1):
-            if not tokenizer.decode(list(context[-n:])).endswith("\ufffd"):
-                ids = list(context[-n:])
-                break
+        ids = next((tail[-n:] for n in range(len(tail), 0, -1) if not tokenizer.decode(tail[-n:]).endswith("\ufffd")),
+                   None if tail else [])
+        if ids is None:
+            # The prompt ends in bytes that are no whole character (a byte token the completion may
+            # continue, an invalid run: possible when the prompt comes as ids). The completion's
+            # bytes start afresh there, as llama.cpp's pieces do: the text the prompt's bytes already
+            # gave stays, and a character they began cannot change. So all the prompt gives the
+            # completion's text is that text comes before it, which keeps a SentencePiece word's
+            # leading space: a stand-in says so where the prompt's tail would join the next bytes.
+            ids = _stand_in(tokenizer)
         self.tokenizer, self.ids, self.start = tokenizer, ids, len(ids)
         self.prefix = 0         # window start: one piece back, for context
         self.read = len(ids)    # tokens already emitted as text
