@@ -43,12 +43,32 @@ def test_collected_logits_are_the_routing_and_features_what_the_predictor_sees(q
     model.logits(IDS)
     moe = list(model.cfg.moe_layers)
     assert moe == [1, 3]
+    taken = collect.take()
     for layer in moe:  # the fitted targets rank the experts exactly as the forward routed them
-        got = rank_experts(collect.logits[layer], model.cfg.top_k)
+        got = rank_experts(taken[layer][1], model.cfg.top_k)
         assert torch.equal(got.sort(-1).values, routed[layer].sort(-1).values)
     want_first = router_input(net, 1, embedded(net, IDS)).float()
-    assert torch.equal(collect.features[1], want_first)  # the first MoE layer: from the embeddings
-    assert collect.features[3].shape == (len(IDS), model.cfg.hidden_size)
+    assert torch.equal(taken[1][0], want_first)  # the first MoE layer: from the embeddings
+    assert taken[3][0].shape == (len(IDS), model.cfg.hidden_size)
+
+
+def test_a_piece_longer_than_the_prefill_stretch_hands_over_all_its_tokens(qwen2):
+    """`Model.logits` runs a piece longer than the prefill stretch as one forward per stretch: the
+    features and logits the fit gets are still every token's, in order, as where one stretch holds
+    the whole piece (they were the last stretch's alone: 4 of 100 rows here)."""
+    ids = torch.randint(4, VOCAB, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    got = {}
+    for stretch in (4096, 32):
+        model = expertcache.load(qwen2, prefill_stretch=stretch)
+        pieces = got[stretch] = []
+        linear_predictor._run_over(model, ids, 100, 100, lambda fitting, layer, x, y: pieces.append((fitting, layer, x, y)),
+                                   None)
+        assert [(f, layer, x.shape[0], y.shape[0]) for f, layer, x, y in pieces] == [
+            (True, 1, 100, 100), (True, 3, 100, 100), (False, 1, 100, 100), (False, 3, 100, 100)]
+    for (_, _, x, y), (_, _, x32, y32) in zip(got[4096], got[32]):
+        # Stretches of 32 group the MoE products otherwise: the same values within rounding.
+        torch.testing.assert_close(x32, x, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y32, y, rtol=1e-4, atol=1e-4)
 
 
 def test_fit_is_the_least_squares_solution_and_held_out_recall_is_measured(qwen2, monkeypatch):
@@ -62,9 +82,9 @@ def test_fit_is_the_least_squares_solution_and_held_out_recall_is_measured(qwen2
     net.residual_hook, net.forward_hook = collect, collect.begin
     for s in range(0, 500, 100):
         model.logits(ids[s:s + 100])
-        for layer in xs:
-            xs[layer].append(collect.features[layer])
-            ys[layer].append(collect.logits[layer])
+        for layer, (x, y) in collect.take().items():
+            xs[layer].append(x)
+            ys[layer].append(y)
     net.residual_hook = net.forward_hook = None
     maps, report = fit(model, ids, chunk=100, ridge=0.0, held_out=100 / 600)
     assert report["fit_tokens"] == 500 and report["held_out_tokens"] == 100
@@ -79,15 +99,15 @@ def test_fit_is_the_least_squares_solution_and_held_out_recall_is_measured(qwen2
     assert net.residual_hook is None and net.forward_hook is None  # the fit put the hooks back
 
 
-def _held_out(model, tokens: int) -> _Collector:
+def _held_out(model, tokens: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """The bundled model run over the first `tokens` of its held-out text: each MoE layer's
-    predictor inputs and router logits (`_Collector`'s)."""
+    predictor inputs and router logits (`_Collector.take`)."""
     net = model.net
     collect = _Collector(net)
     net.residual_hook, net.forward_hook = collect, collect.begin
     model.logits(model.tokenizer.encode((ASSETS / "heldout.txt").read_text())[:tokens])
     net.residual_hook = net.forward_hook = None
-    return collect
+    return collect.take()
 
 
 def test_bundled_predictor_beats_the_routers_on_held_out_text():
@@ -99,7 +119,7 @@ def test_bundled_predictor_beats_the_routers_on_held_out_text():
     net, K = model.net, model.cfg.top_k
     collect = _held_out(model, 2048)
     for layer in model.cfg.moe_layers:
-        x, used = collect.features[layer], rank_experts(collect.logits[layer], K)
+        x, used = collect[layer][0], rank_experts(collect[layer][1], K)
         by_router = rank_experts(x @ net.weights.layers[layer].router.float().T, K)
         by_maps = rank_experts(torch.addmm(maps.bias[layer], x, maps.weight[layer].T), K)
         recall = [float((r.unsqueeze(-1) == used.unsqueeze(1)).any(1).sum()) / used.numel()
@@ -292,7 +312,7 @@ def test_bundled_maps_of_use_are_calibrated_on_held_out_text():
     K = model.cfg.top_k
     collect = _held_out(model, 4096)
     for layer in model.cfg.moe_layers:
-        x, used = collect.features[layer], rank_experts(collect.logits[layer], K)
+        x, used = collect[layer][0], rank_experts(collect[layer][1], K)
         hot = _multi_hot(used, model.cfg.num_experts).bool()
         p = maps.probabilities(maps.scores(layer, x))
         for lo, hi in ((0.1, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 1.0)):

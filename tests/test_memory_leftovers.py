@@ -120,10 +120,10 @@ def test_a_prompt_in_several_stretches_reserves_its_keys_and_values_once(wide, f
     assert torch.equal(outs[0], outs[1])
 
 
-def _forward_peak(model, ids: list[int], ubatch: int) -> int:
-    """Peak bytes that a prefill's forwards allocate, with all logits, outside the mixers (as
-    `test_stretch_audit.stretch_peak` counts them), plus the MoE workspace: the stretches'
-    activations and the logits of the tokens so far."""
+def _call_peak(model, ids: list[int], ubatch: int) -> int:
+    """Peak bytes that a prefill with all logits allocates outside the mixers (as
+    `test_stretch_audit.stretch_peak` counts them), from its first forward's first layer to its
+    return, plus the MoE workspace: the stretches' activations and logits, and the [N, V] result."""
     net = model.net
     model.prefill(model.new_session(), ids, ubatch=ubatch)  # the workspace, allocated once
     s = model.new_session()
@@ -134,14 +134,6 @@ def _forward_peak(model, ids: list[int], ubatch: int) -> int:
     for lw in net.weights.layers:
         lw.mixer = _Uncounted(lw.mixer, meter)
     net.residual_hook = lambda layer, h: setattr(meter, "counting", True)
-    forward = net.forward
-
-    def counted(*args, **kwargs):
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            meter.counting = False  # the caller's concatenation of the stretches is not a stretch's
-    net.forward = counted
     try:
         with meter:
             model.prefill(s, ids, ubatch=ubatch, all_logits=True)
@@ -149,7 +141,6 @@ def _forward_peak(model, ids: list[int], ubatch: int) -> int:
         for lw, mixer in zip(net.weights.layers, mixers):
             lw.mixer = mixer
         net.residual_hook = None
-        del net.forward
     return meter.peak + net.workspace.nbytes
 
 
@@ -157,19 +148,20 @@ def _forward_peak(model, ids: list[int], ubatch: int) -> int:
 @pytest.mark.parametrize("family", ["qwen3_moe", "gemma4"])
 def test_a_stretch_returning_all_logits_takes_prefill_mem_plus_the_logits(wide, family, dtype):
     """With all logits asked for, a prompt runs in the stretch planned for `--prefill-mem` M,
-    and its forwards take at most M plus the logits of its tokens [N, V]: the logits are the
-    caller's result and grow with the prompt, whatever the stretch (docs/prefill.md). Gemma 4's
-    soft-capping took three times a stretch's logits at once."""
+    and the call takes at most M, the logits of its tokens [N, V] (the caller's result, which
+    grows with the prompt whatever the stretch; docs/prefill.md) and one stretch's logits [S, V],
+    which the forward makes before they are copied into the result. The stretches' logits joined
+    at the end took twice [N, V]; Gemma 4's soft-capping took three times a stretch's logits."""
     per_token = expertcache.load(wide[family], dtype=dtype, kernels="torch").net.activation_bytes(1)
     tokens = 48
     model = expertcache.load(wide[family], dtype=dtype, kernels="torch", prefill_mem=tokens * per_token)
     assert model.stretch == tokens
-    ids = ids_of(2 * tokens + 5, seed=5, vocab=VOCAB)
+    ids = ids_of(3 * tokens + 5, seed=5, vocab=VOCAB)
     item = torch.empty((), dtype=model.net.dtype).element_size()
-    logits = len(ids) * VOCAB * item
-    used = _forward_peak(model, ids, ubatch=16)
-    assert model.last_prefill.stretches == 3
-    assert used <= tokens * per_token + logits, (used, tokens * per_token, logits)
+    logits, stretch_logits = len(ids) * VOCAB * item, tokens * VOCAB * item
+    used = _call_peak(model, ids, ubatch=16)
+    assert model.last_prefill.stretches == 4
+    assert used <= tokens * per_token + logits + stretch_logits, (used, tokens * per_token, logits, stretch_logits)
 
 
 def test_a_prompt_in_one_stretch_returns_its_logits_without_a_copy(wide):

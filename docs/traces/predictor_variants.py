@@ -52,9 +52,9 @@ def collect(model, ids: list[int], chunk: int = 1024) -> dict[int, tuple[torch.T
     try:
         for s in range(0, len(ids), chunk):
             model.logits(ids[s:s + chunk])
-            for layer in got:
-                got[layer][0].append(c.features[layer].half())
-                got[layer][1].append(c.logits[layer])
+            for layer, (features, logits) in c.take().items():
+                got[layer][0].append(features.half())
+                got[layer][1].append(logits)
     finally:
         net.residual_hook, net.forward_hook = hooks
     return {layer: (torch.cat(x), torch.cat(y)) for layer, (x, y) in got.items()}

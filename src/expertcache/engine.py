@@ -27,6 +27,7 @@ from .models.decoder import Decoder, PrefillStopped
 from .models.layers import KVCache
 from .models.loader import load_dense, open_model
 from .models.predict import NextOpPredictions
+from .models.state import SnapshotSchedule
 from .tiers import build_experts, make_store_for
 from .tiers.cache import ExpertCache
 from .sampling import Sampler, SamplingParams
@@ -263,14 +264,36 @@ class Model:
                                     self.options.prefill_mem)
 
     # ---- forwards ----
-    def logits(self, token_ids) -> torch.Tensor:
-        """One fresh forward over token_ids; logits [T, V]; no state is kept."""
-        ids = self._as_tensor(token_ids)
-        if not len(ids):
+    def logits(self, token_ids, ubatch: int = 512) -> torch.Tensor:
+        """The logits [T, V] of token_ids run from an empty context; no state is kept.
+
+        The tokens run as `prefill(session, token_ids, ubatch, all_logits=True)` runs them, on a
+        session made for the call and dropped after it: in stretches of `self.stretch` tokens
+        (so a long input keeps to --prefill-mem as a prompt does), attention in micro-batches of
+        `ubatch`. Up to `ubatch` tokens (and no more than a stretch) that is one forward over all
+        of them, as this always was. Past that the split sums and products (attention per
+        micro-batch, a recurrent layer's state carried between them, the MoE ops per stretch)
+        may round otherwise than one forward would: the same values within float rounding, not
+        always the same bits. The call counts as a prefill in `last_prefill`/`prefill_total`."""
+        ubatch = _check_ubatch(ubatch)
+        ids = self._id_list(token_ids)
+        if not ids:
             raise ExpertCacheError("nothing to process: no token ids")
         self._check_fits(len(ids))
-        self.begin_call()
-        return self.net.forward(ids, self.net.new_kv(len(ids)))
+        self.begin_call()  # before the session: a reload changes the decoder and the version
+        return self.prefill(self._scratch_session(len(ids)), ids, ubatch=ubatch, all_logits=True)
+
+    def _scratch_session(self, n: int) -> Session:
+        """A session for one call of n tokens, dropped after it (`logits`)."""
+        # Sized to the input, as the one forward's state was: a sliding layer's ring no longer
+        # than the tokens, the keys and values reserved once at n.
+        kv = self.net.new_kv(n)
+        if isinstance(kv, SnapshotSchedule):
+            # Snapshots let a later call resume from a prefix, and nothing resumes from here: at
+            # each micro-batch end of a long input they were copies of every recurrent state or
+            # ring (Qwen3.6: about 63 MiB each, 8 kept) held to no end.
+            kv.max_snapshots = 1
+        return Session(kv, version=self.version, owner=self)
 
     def prefill(self, session: Session, token_ids: list[int], ubatch: int = 512,
                 all_logits: bool = False, should_stop: Callable[[], bool] | None = None,
@@ -303,7 +326,7 @@ class Model:
         # cache was copied into a larger buffer at nearly every stretch (7 times for 32k tokens in
         # stretches of 4096), and a context that cannot fit fails here, before any work.
         session.kv.reserve(session.kv.length + len(token_ids))
-        outs = []
+        out = whole = None
         done = 0
         before = self._read_bytes()
         t0 = time.perf_counter()
@@ -325,8 +348,13 @@ class Model:
                                            should_stop=should_stop, on_layer=on_layer)
                 except PrefillStopped:
                     return None
-                if all_logits or s + step >= len(token_ids):
-                    outs.append(out)
+                if all_logits and len(token_ids) > step:
+                    # Each stretch's logits into one [T, V] made at the first: joined at the end,
+                    # the stretches' and the joined copy were held at once (twice [T, V]).
+                    if whole is None:
+                        whole = out.new_empty((len(token_ids), out.shape[-1]))
+                    whole[s: s + len(part)] = out
+                    out = None  # not held through the next stretch's forward
                 session.tokens.extend(part)
                 done += len(part)
         finally:
@@ -334,8 +362,8 @@ class Model:
                                              time.perf_counter() - t0)
             self.prefill_total = self.prefill_total + self.last_prefill
         if not all_logits:
-            return outs[-1][-1]
-        return torch.cat(outs) if len(outs) > 1 else outs[0]  # one stretch: its logits, not a copy
+            return out[-1]
+        return out if whole is None else whole  # one stretch: its logits, not a copy
 
     def prefill_info(self) -> dict:
         """The prefill schedule and what the last prefill read, for JSON outputs."""
@@ -345,16 +373,6 @@ class Model:
 
     def _read_bytes(self) -> int:
         return self.experts.telemetry_.copied_bytes()
-
-    def _as_tensor(self, token_ids) -> torch.Tensor:
-        # Checked where the ids are (on the host for a list), then moved once: on a GPU, reading
-        # a device tensor's min and max back would wait for the device at every call.
-        if torch.is_tensor(token_ids):
-            ids = _one_sequence(token_ids).to(torch.long)
-            lo, hi = (int(ids.min()), int(ids.max())) if ids.numel() else (0, 0)
-            self._check_range(lo, hi)
-            return ids.to(self.net.device)
-        return torch.tensor(self._id_list(token_ids), dtype=torch.long).to(self.net.device)
 
     def _id_list(self, token_ids, check_range: bool = True) -> list[int]:
         """Token ids (a list or tuple of integers, a 1-D integer tensor or array) as a list of

@@ -209,30 +209,39 @@ def make_predictor(decoder, width: int, maps: LinearMaps | None = None, scored: 
 
 
 class _Collector:
-    """A residual hook that turns one forward's residuals into each MoE layer's (features, logits):
-    features from the residual the predictor would see (the previous MoE layer's, or the
-    embeddings for the first), logits from the layer's own router input."""
+    """A residual hook that turns the residuals of a call's forwards into each MoE layer's
+    (features, logits): features from the residual the predictor would see (the previous MoE
+    layer's, or the embeddings for the first), logits from the layer's own router input. A call
+    longer than the prefill stretch runs as several forwards, one per stretch: `take` joins them
+    in order."""
 
     def __init__(self, decoder):
         self.decoder = decoder
         self.next = next_moe_layers(decoder.cfg.moe_layers)
-        self.features: dict[int, torch.Tensor] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.features: dict[int, list[torch.Tensor]] = {}
+        self.logits: dict[int, list[torch.Tensor]] = {}
 
     def begin(self, tokens: torch.Tensor) -> None:
-        self.features.clear()
-        self.logits.clear()
         first = self.decoder.cfg.moe_layers[0]
-        self.features[first] = router_input(self.decoder, first, embedded(self.decoder, tokens)).float()
+        self.features.setdefault(first, []).append(
+            router_input(self.decoder, first, embedded(self.decoder, tokens)).float())
 
     def __call__(self, layer: int, h: torch.Tensor) -> None:
         lw = self.decoder.weights.layers[layer]
         if lw.router is None:
             return
-        self.logits[layer] = router_input(self.decoder, layer, h).float() @ lw.router.float().T  # [T, E]
+        self.logits.setdefault(layer, []).append(router_input(self.decoder, layer, h).float() @ lw.router.float().T)
         nxt = self.next.get(layer)
         if nxt is not None:
-            self.features[nxt] = router_input(self.decoder, nxt, h).float()  # [T, D]
+            self.features.setdefault(nxt, []).append(router_input(self.decoder, nxt, h).float())  # [T, D]
+
+    def take(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each MoE layer's (features [T, D], logits [T, E]) over the forwards since the last take."""
+        out = {layer: (torch.cat(self.features[layer]), torch.cat(self.logits[layer]))
+               for layer in self.decoder.cfg.moe_layers}
+        self.features.clear()
+        self.logits.clear()
+        return out
 
 
 def _with_one(x: torch.Tensor) -> torch.Tensor:
@@ -262,7 +271,7 @@ def split_tokens(n: int, held_out: float = 0.1, ridge: float = 1.0) -> tuple[int
 
 def _run_over(model, ids: list[int], n_fit: int, chunk: int, on_piece: Callable[[bool, int, torch.Tensor,
               torch.Tensor], None], progress: Callable[[int], None] | None) -> None:
-    """Run `model` over `ids` in sequences of `chunk` tokens (each a fresh forward; the fitted part
+    """Run `model` over `ids` in sequences of `chunk` tokens (each from an empty context; the fitted part
     and the held-out part apart) and hand each MoE layer's (features [T, D], router logits [T, E]),
     fp32 on the CPU, to `on_piece(fitted, layer, x, y)`."""
     net = model.net
@@ -274,8 +283,8 @@ def _run_over(model, ids: list[int], n_fit: int, chunk: int, on_piece: Callable[
             for start in range(lo, hi, chunk):
                 piece = ids[start:min(start + chunk, hi)]
                 model.logits(piece)
-                for layer in model.cfg.moe_layers:
-                    on_piece(lo == 0, layer, collect.features[layer].cpu(), collect.logits[layer].cpu())
+                for layer, (features, logits) in collect.take().items():
+                    on_piece(lo == 0, layer, features.cpu(), logits.cpu())
                 if progress is not None:
                     progress(len(piece))
     finally:
