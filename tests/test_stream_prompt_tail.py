@@ -41,21 +41,11 @@ import expertcache
 import expertcache.engine
 from expertcache.server.app import create_app
 from expertcache.tokenizer import StreamDecoder, Tokenizer
+from test_tokenizer_leftovers import _byte_level_table
 
 BUNDLED = Path(__file__).resolve().parent.parent / "src" / "expertcache" / "assets" / "tiny-qwen3-moe"
 WORDS = [" Hello", " foo", " bar"]
 BYTES = [0x80, 0x82, 0xAC, 0xE2, 0xFF]
-
-
-def _byte_level_table() -> dict[str, int]:
-    """GPT-2's bytes_to_unicode, character to byte."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, n = {chr(b): b for b in bs}, 0
-    for b in range(256):
-        if b not in bs:
-            table[chr(256 + n)] = b
-            n += 1
-    return table
 
 
 def write_spm(directory: Path, dummy_prefix: bool) -> Path:
