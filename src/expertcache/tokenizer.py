@@ -410,7 +410,7 @@ class StreamDecoder:
             # completion's text is that text comes before it, which keeps a SentencePiece word's
             # leading space: a stand-in says so where the prompt's tail would join the next bytes.
             ids = _stand_in(tokenizer)
-        self.tokenizer, self.ids, self.start = tokenizer, ids, len(ids)
+        self.tokenizer, self.ids = tokenizer, ids
         self.prefix = 0         # window start: one piece back, for context
         self.read = len(ids)    # tokens already emitted as text
         self.emitted: list[str] = []
