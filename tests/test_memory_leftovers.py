@@ -12,7 +12,7 @@ import expertcache
 from conftest import build_reference, save_checkpoint, tiny_config
 from expertcache.models.layers import KVCache
 from test_gemma4 import build
-from test_stretch_audit import LiveBytes, _Uncounted, ids_of
+from test_stretch_audit import LiveBytes, ids_of, stretch_peak
 
 # A vocabulary as much wider than the hidden size as real models' (Qwen3-30B-A3B: 151,936 / 2,048;
 # Gemma 4: 262,144 / 2,816), so that a stretch's logits outweigh its activations as they do there.
@@ -120,30 +120,6 @@ def test_a_prompt_in_several_stretches_reserves_its_keys_and_values_once(wide, f
     assert torch.equal(outs[0], outs[1])
 
 
-def _call_peak(model, ids: list[int], ubatch: int) -> int:
-    """Peak bytes that a prefill with all logits allocates outside the mixers (as
-    `test_stretch_audit.stretch_peak` counts them), from its first forward's first layer to its
-    return, plus the MoE workspace: the stretches' activations and logits, and the [N, V] result."""
-    net = model.net
-    model.prefill(model.new_session(), ids, ubatch=ubatch)  # the workspace, allocated once
-    s = model.new_session()
-    s.kv.reserve(len(ids))
-    s.kv.layer_done = lambda *args: None
-    meter = LiveBytes({b.untyped_storage().data_ptr() for b in net.workspace.buffers.values()})
-    mixers = [lw.mixer for lw in net.weights.layers]
-    for lw in net.weights.layers:
-        lw.mixer = _Uncounted(lw.mixer, meter)
-    net.residual_hook = lambda layer, h: setattr(meter, "counting", True)
-    try:
-        with meter:
-            model.prefill(s, ids, ubatch=ubatch, all_logits=True)
-    finally:
-        for lw, mixer in zip(net.weights.layers, mixers):
-            lw.mixer = mixer
-        net.residual_hook = None
-    return meter.peak + net.workspace.nbytes
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gemma4"])
 def test_a_stretch_returning_all_logits_takes_prefill_mem_plus_the_logits(wide, family, dtype):
@@ -159,7 +135,7 @@ def test_a_stretch_returning_all_logits_takes_prefill_mem_plus_the_logits(wide, 
     ids = ids_of(3 * tokens + 5, seed=5, vocab=VOCAB)
     item = torch.empty((), dtype=model.net.dtype).element_size()
     logits, stretch_logits = len(ids) * VOCAB * item, tokens * VOCAB * item
-    used = _call_peak(model, ids, ubatch=16)
+    used = stretch_peak(model, ids, ubatch=16, all_logits=True)
     assert model.last_prefill.stretches == 4
     assert used <= tokens * per_token + logits + stretch_logits, (used, tokens * per_token, logits, stretch_logits)
 

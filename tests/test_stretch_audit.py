@@ -65,9 +65,11 @@ class _Uncounted:
         return self.mixer(*args, **kwargs)
 
 
-def stretch_peak(model, ids: list[int], ubatch: int) -> int:
+def stretch_peak(model, ids: list[int], ubatch: int, all_logits: bool = False) -> int:
     """Peak bytes of a one-stretch prefill's activations outside the mixers: every tensor the
-    forward allocates and holds while the feed-forward blocks run, plus the MoE workspace."""
+    forward allocates and holds while the feed-forward blocks run, plus the MoE workspace. With
+    `all_logits`, a prefill that returns every token's logits, counted up to its return: its
+    stretches' logits and the [N, V] result count too."""
     net = model.net
     model.prefill(model.new_session(), ids, ubatch=ubatch)  # the workspace, allocated once
     s = model.new_session()
@@ -80,10 +82,13 @@ def stretch_peak(model, ids: list[int], ubatch: int) -> int:
     net.residual_hook = lambda layer, h: setattr(meter, "counting", True)
     try:
         with meter:
-            # The count stops as the last layer is done: the last token's logits and the
-            # snapshot the forward ends with are the session's, whatever the stretch.
-            model.prefill(s, ids, ubatch=ubatch, progress=lambda done, total: done < total or
-                          setattr(meter, "counting", False))
+            if all_logits:
+                model.prefill(s, ids, ubatch=ubatch, all_logits=True)
+            else:
+                # The count stops as the last layer is done: the last token's logits and the
+                # snapshot the forward ends with are the session's, whatever the stretch.
+                model.prefill(s, ids, ubatch=ubatch, progress=lambda done, total: done < total or
+                              setattr(meter, "counting", False))
     finally:
         for lw, mixer in zip(net.weights.layers, mixers):
             lw.mixer = mixer
