@@ -151,9 +151,8 @@ def read_rate(cache, n: int = READ_PROBE_EXPERTS) -> float:
     host's copy into guest memory, reads into one 9 MiB buffer, still in the host's cache, ran
     2.6-2.8 GB/s where reads into the cache's slots in turn ran 2.0 in the same minute
     (docs/benchmarks.md, "The probe's destination"), and only the second is a rate the decode's
-    copies can reach. After a
-    decode, so that the disk is timed as it was for it: a shared machine's disk reads 1.8-2.3 GB/s
-    from one minute to the next."""
+    copies can reach. After a decode, so that the disk is timed as it was for it: a shared
+    machine's disk reads 1.8-2.3 GB/s from one minute to the next."""
     cache.clear()
     layers = cache.moe_layers
     keys = [(layers[i % len(layers)], (i * 7) % cache.num_experts) for i in range(n)]
